@@ -1,0 +1,143 @@
+"""ckptfmt: an open, verifiable checkpoint format for resilient large-model training.
+
+    import ckptfmt
+    with ckptfmt.open_writer(url, profile="training") as w:
+        w.write_tensor("weights", "layer0.w", array)
+        w.write_context("rng", {...})
+    ckpt = ckptfmt.open(url)
+    ckpt.read_tensor("weights", "layer0.w")
+
+``import ckptfmt`` loads neither click, torch nor s3fs.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .canonical import canonical_json, config_hash
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    ChunkLayoutError,
+    ConfigHashMismatchError,
+    ContextError,
+    DigestMismatchError,
+    DTypeError,
+    FieldNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    ManifestError,
+    MissingFieldError,
+    MissingFileError,
+    SafetensorsHeaderError,
+    SizeMismatchError,
+    StorageError,
+    UnsafePathError,
+    UnsupportedCodecError,
+    UnsupportedExtensionError,
+    UnsupportedVersionError,
+    UsageError,
+)
+from .manifest import (
+    FORMAT_VERSION,
+    ChunkRecord,
+    FieldRecord,
+    FileRecord,
+    Manifest,
+    TensorRecord,
+    parse_manifest,
+)
+from .profiles import PROFILES
+from .reader import Checkpoint, open_checkpoint
+from .storage import open_store
+from .verify import Problem, VerifyReport, verify_url
+from .writer import DEFAULT_TARGET_FILE_SIZE, CheckpointWriter
+
+
+def open_writer(
+    url: str | os.PathLike[str],
+    profile: str = "training",
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    target_file_size: int = DEFAULT_TARGET_FILE_SIZE,
+    digest: str = "xxh3-128",
+    rank: int = 0,
+    workers: int = 2,
+    metadata: Mapping[str, str] | None = None,
+) -> CheckpointWriter:
+    """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits."""
+    return CheckpointWriter(
+        open_store(url, storage_options),
+        profile=profile,
+        overwrite=overwrite,
+        target_file_size=target_file_size,
+        digest=digest,
+        rank=rank,
+        workers=workers,
+        metadata=metadata,
+    )
+
+
+def open(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Open a committed checkpoint; refuses an incomplete, invalid or unknown-major one."""
+    return open_checkpoint(url, storage_options)
+
+
+def verify(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, quick: bool = False
+) -> VerifyReport:
+    """Verify the checkpoint at ``url``; a report listing every problem (an unopenable one included)."""
+    return verify_url(url, storage_options, quick=quick)
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PROFILES",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointLockedError",
+    "CheckpointNotFoundError",
+    "CheckpointWriter",
+    "ChunkLayoutError",
+    "ChunkRecord",
+    "ConfigHashMismatchError",
+    "ContextError",
+    "DTypeError",
+    "DigestMismatchError",
+    "FieldNotFoundError",
+    "FieldRecord",
+    "FileRecord",
+    "IncompleteCheckpointError",
+    "IntegrityError",
+    "Manifest",
+    "ManifestError",
+    "MissingFieldError",
+    "MissingFileError",
+    "Problem",
+    "SafetensorsHeaderError",
+    "SizeMismatchError",
+    "StorageError",
+    "TensorRecord",
+    "UnsafePathError",
+    "UnsupportedCodecError",
+    "UnsupportedExtensionError",
+    "UnsupportedVersionError",
+    "UsageError",
+    "VerifyReport",
+    "canonical_json",
+    "config_hash",
+    "open",
+    "open_store",
+    "open_writer",
+    "parse_manifest",
+    "verify",
+    "__version__",
+]

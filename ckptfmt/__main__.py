@@ -1,0 +1,3 @@
+from ckptfmt.cli import main
+
+main()

@@ -1,0 +1,144 @@
+"""Context blobs: the msgpack subset of spec/context.md.
+
+Two extension types carry what msgpack cannot: integers beyond 64 bits (numpy's PCG64 state) and
+n-dimensional arrays (numpy's legacy MT19937 key, torch RNG byte states). Everything a decoder
+can throw becomes a :class:`ContextError` naming the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from . import dtypes
+from .errors import CheckpointError, ContextError
+
+EXT_BIGINT = 1
+EXT_NDARRAY = 2
+MAX_DEPTH = 64
+MAX_BLOB_BYTES = 1 << 30
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1
+
+
+def _bigint_payload(value: int) -> bytes:
+    return value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)
+
+
+def _prepare(value: object, where: str, depth: int) -> object:
+    """Turn a Python value into msgpack-native objects, map keys sorted for deterministic bytes."""
+    if depth > MAX_DEPTH:
+        raise ContextError(f"{where}: nesting deeper than {MAX_DEPTH}")
+    if value is None or isinstance(value, (bool, str, float, bytes)):
+        return value
+    if isinstance(value, int):
+        if _INT_MIN <= value <= _INT_MAX:
+            return int(value)
+        return msgpack.ExtType(EXT_BIGINT, _bigint_payload(int(value)))
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, Mapping):
+        items = []
+        for key in value:
+            if not isinstance(key, str):
+                raise ContextError(f"{where}: map keys must be strings, got {type(key).__name__} {key!r}")
+            items.append((key, _prepare(value[key], f"{where}.{key}", depth + 1)))
+        items.sort(key=lambda kv: kv[0])
+        return dict(items)
+    if isinstance(value, (list, tuple)):
+        return [_prepare(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
+    if isinstance(value, np.ndarray):
+        name = dtypes.from_numpy(value.dtype)
+        data = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+        payload = msgpack.packb([name, list(value.shape), data], use_bin_type=True)
+        return msgpack.ExtType(EXT_NDARRAY, payload)
+    if isinstance(value, np.generic):
+        return _prepare(value.item(), where, depth)
+    raise ContextError(f"{where}: {type(value).__name__} cannot be stored in a context blob")
+
+
+def encode(value: Mapping[str, object], *, where: str = "context") -> bytes:
+    """Encode a map as a context blob; deterministic for equal inputs."""
+    if not isinstance(value, Mapping):
+        raise ContextError(f"{where}: a context must be a mapping, got {type(value).__name__}")
+    prepared = _prepare(value, "$", 0)
+    try:
+        return msgpack.packb(prepared, use_bin_type=True, use_single_float=False)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ContextError(f"{where}: cannot encode: {exc}") from exc
+
+
+def _decode_ndarray(payload: bytes) -> np.ndarray[Any, Any]:
+    parts = msgpack.unpackb(payload, raw=False, use_list=True)
+    if not (isinstance(parts, list) and len(parts) == 3):
+        raise ValueError("ndarray extension must hold [dtype, shape, data]")
+    name, shape, data = parts
+    if not isinstance(name, str) or not isinstance(data, bytes) or not isinstance(shape, list):
+        raise ValueError("ndarray extension must hold [str dtype, shape array, bin data]")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError("ndarray shape must be non-negative integers")
+    dtype = dtypes.to_numpy(name)
+    count = 1
+    for d in shape:
+        count *= d
+    if count * dtype.itemsize != len(data):
+        raise ValueError(f"ndarray of {name}{shape} needs {count * dtype.itemsize} bytes, has {len(data)}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def _ext_hook(code: int, payload: bytes) -> object:
+    if code == EXT_BIGINT:
+        if not payload:
+            raise ValueError("bigint extension with empty payload")
+        return int.from_bytes(payload, "big", signed=True)
+    if code == EXT_NDARRAY:
+        return _decode_ndarray(payload)
+    raise ValueError(f"unknown msgpack extension type {code}")
+
+
+def _pairs_hook(pairs: list[tuple[object, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if not isinstance(key, str):
+            raise ValueError(f"map key {key!r} is not a string")
+        if key in out:
+            raise ValueError(f"duplicate map key {key!r}")
+        out[key] = value
+    return out
+
+
+def _depth(value: object, depth: int = 0) -> int:
+    if depth > MAX_DEPTH:
+        return depth
+    if isinstance(value, dict):
+        return max((_depth(v, depth + 1) for v in value.values()), default=depth)
+    if isinstance(value, list):
+        return max((_depth(v, depth + 1) for v in value), default=depth)
+    return depth
+
+
+def decode(data: bytes, *, path: str | None = None, field: str | None = None) -> dict[str, object]:
+    """Decode a context blob; any malformation raises ContextError naming the file and field."""
+    if len(data) > MAX_BLOB_BYTES:
+        raise ContextError(f"blob of {len(data)} bytes exceeds {MAX_BLOB_BYTES}", path=path, field=field)
+    try:
+        value = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,  # checked by _pairs_hook, to report it in our words
+            object_pairs_hook=_pairs_hook,
+            ext_hook=_ext_hook,
+        )
+    except CheckpointError as exc:
+        raise ContextError(f"invalid msgpack: {exc.message}", path=path, field=field) from exc
+    except Exception as exc:  # msgpack raises ExtraData, FormatError, StackError, ValueError, ...
+        raise ContextError(f"invalid msgpack: {type(exc).__name__}: {exc}", path=path, field=field) from exc
+    if not isinstance(value, dict):
+        raise ContextError(f"top level must be a map, got {type(value).__name__}", path=path, field=field)
+    if _depth(value) > MAX_DEPTH:
+        raise ContextError(f"nesting deeper than {MAX_DEPTH}", path=path, field=field)
+    return value

@@ -1,0 +1,217 @@
+"""The one exception hierarchy of ckptfmt.
+
+Every error the public API raises derives from :class:`CheckpointError` and carries a stable,
+machine-readable ``code`` (used by ``ckpt --json`` and by the conformance vectors), plus the
+place it concerns: a path inside the checkpoint, a field, a tensor. Where a builtin exception has
+the same meaning, the class inherits it too, so ``except FileNotFoundError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by ckptfmt."""
+
+    code = "checkpoint_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        field: str | None = None,
+        tensor: str | None = None,
+        requirement: str | None = None,
+    ) -> None:
+        self.message = message
+        self.path = path
+        self.field = field
+        self.tensor = tensor
+        self.requirement = requirement
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(f"file {self.path!r}")
+        if self.field is not None:
+            where.append(f"field {self.field!r}")
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        prefix = f"{', '.join(where)}: " if where else ""
+        return prefix + self.message
+
+    def locate(
+        self, *, path: str | None = None, field: str | None = None, tensor: str | None = None
+    ) -> CheckpointError:
+        """Fill in where the error happened, if not already known (e.g. a storage error inside a tensor read)."""
+        self.path = self.path if self.path is not None else path
+        self.field = self.field if self.field is not None else field
+        self.tensor = self.tensor if self.tensor is not None else tensor
+        self.args = (self._render(),)
+        return self
+
+    def to_dict(self) -> dict[str, str]:
+        """A JSON-ready description, the shape ``ckpt --json`` reports."""
+        out = {"code": self.code, "message": self.message}
+        for key in ("path", "field", "tensor", "requirement"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing at all lives at the URL."""
+
+    code = "not_found"
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """Files exist at the URL but no manifest commits them (a crashed or running writer)."""
+
+    code = "incomplete"
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint (or another live writer) already occupies the URL."""
+
+    code = "exists"
+
+
+class CheckpointLockedError(CheckpointExistsError):
+    """Another writer holds the checkpoint's writer lock."""
+
+    code = "locked"
+
+
+class ManifestError(CheckpointError, ValueError):
+    """The manifest is not valid JSON or breaks the schema."""
+
+    code = "invalid_manifest"
+
+
+class UnsupportedVersionError(ManifestError):
+    """The manifest's major format version is not one this reader implements."""
+
+    code = "unsupported_version"
+
+
+class UnsupportedExtensionError(ManifestError):
+    """The manifest uses an extension marked must_understand that this reader does not know."""
+
+    code = "unsupported_extension"
+
+
+class MissingFieldError(ManifestError):
+    """A field that the checkpoint's profile requires is absent (or of the wrong kind)."""
+
+    code = "missing_field"
+
+
+class FieldNotFoundError(CheckpointError, KeyError):
+    """The caller asked for a field or tensor the checkpoint does not have."""
+
+    code = "no_such_field"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self._render()
+
+
+class ChunkLayoutError(ManifestError):
+    """A tensor's chunks leave a gap, overlap, or fall outside the tensor."""
+
+    code = "chunk_layout"
+
+
+class UnsafePathError(ManifestError):
+    """A path breaks the name grammar, escapes the root, or is a symlink or non-regular file."""
+
+    code = "unsafe_path"
+
+
+class UnsupportedCodecError(CheckpointError):
+    """A chunk is stored with a codec this reader does not implement."""
+
+    code = "unsupported_codec"
+
+
+class IntegrityError(CheckpointError):
+    """Stored bytes do not match what the manifest says about them."""
+
+    code = "integrity"
+
+
+class DigestMismatchError(IntegrityError):
+    code = "digest_mismatch"
+
+
+class SizeMismatchError(IntegrityError):
+    code = "size_mismatch"
+
+
+class MissingFileError(IntegrityError, FileNotFoundError):
+    """A file that the manifest lists is absent."""
+
+    code = "missing_file"
+
+
+class SafetensorsHeaderError(IntegrityError):
+    """A data file's safetensors header is malformed or disagrees with the manifest."""
+
+    code = "safetensors_header"
+
+
+class ContextError(CheckpointError, ValueError):
+    """A context blob is not valid msgpack of the allowed subset, or breaks its field's schema."""
+
+    code = "invalid_context"
+
+
+class ConfigHashMismatchError(ContextError):
+    code = "config_hash_mismatch"
+
+
+class DTypeError(CheckpointError, TypeError):
+    """An array's dtype has no safetensors equivalent, or a dtype name is unknown."""
+
+    code = "dtype"
+
+
+class UsageError(CheckpointError, ValueError):
+    """The caller used the API wrongly (bad name, writer already closed, shape mismatch...)."""
+
+    code = "usage"
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (I/O error, permission, network); chained from the original."""
+
+    code = "storage"
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointLockedError",
+    "CheckpointNotFoundError",
+    "ChunkLayoutError",
+    "ConfigHashMismatchError",
+    "ContextError",
+    "DTypeError",
+    "DigestMismatchError",
+    "FieldNotFoundError",
+    "IncompleteCheckpointError",
+    "IntegrityError",
+    "ManifestError",
+    "MissingFieldError",
+    "MissingFileError",
+    "SafetensorsHeaderError",
+    "SizeMismatchError",
+    "StorageError",
+    "UnsafePathError",
+    "UnsupportedCodecError",
+    "UnsupportedExtensionError",
+    "UnsupportedVersionError",
+    "UsageError",
+]

@@ -1,0 +1,460 @@
+"""The manifest: the checkpoint's table of contents and its commit marker (spec/manifest.md).
+
+Records are frozen dataclasses with ``to_dict``; :func:`parse_manifest` validates everything the
+spec makes checkable without touching data files, and raises an error naming the field, tensor or
+path at fault. It stays lean because a manifest of a large sharded run holds 100,000+ chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import chunks as geometry
+from . import dtypes, paths
+from .canonical import manifest_bytes
+from .digests import parse_digest
+from .errors import (
+    ChunkLayoutError,
+    ManifestError,
+    MissingFieldError,
+    UnsafePathError,
+    UnsupportedExtensionError,
+    UnsupportedVersionError,
+)
+from .profiles import PROFILES
+
+FORMAT_NAME = "ckptfmt"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+MAX_MANIFEST_BYTES = 256 << 20
+KNOWN_EXTENSIONS: frozenset[str] = frozenset()
+RAW = "raw"
+
+FieldKind = Literal["tensors", "context"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileRecord:
+    path: str
+    size: int
+    digest: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "size": self.size, "digest": self.digest}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Codec:
+    name: str = RAW
+    configuration: Mapping[str, object] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"name": self.name}
+        if self.configuration is not None:
+            out["configuration"] = dict(self.configuration)
+        return out
+
+
+RAW_CODEC = Codec()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkRecord:
+    path: str
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    digest: str
+    codec: Codec = RAW_CODEC
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "key": self.key,
+            "offsets": list(self.offsets),
+            "shape": list(self.shape),
+            "range": [self.begin, self.end],
+            "digest": self.digest,
+            "codec": self.codec.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorRecord:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count * dtypes.itemsize(self.dtype)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_dict() for c in self.chunks]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FieldRecord:
+    kind: FieldKind
+    tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
+    context: str | None = None  # path of the context blob
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"kind": self.kind}
+        if self.kind == "tensors":
+            out["tensors"] = {name: t.to_dict() for name, t in self.tensors.items()}
+        if self.context is not None:
+            out["context"] = {"path": self.context}
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Extension:
+    name: str
+    must_understand: bool
+    configuration: Mapping[str, object] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"name": self.name, "must_understand": self.must_understand}
+        if self.configuration is not None:
+            out["configuration"] = dict(self.configuration)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    profile: str
+    files: tuple[FileRecord, ...]
+    fields: Mapping[str, FieldRecord]
+    format_version: str = FORMAT_VERSION
+    extensions: tuple[Extension, ...] = ()
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "profile": self.profile,
+            "files": [f.to_dict() for f in self.files],
+            "fields": {name: f.to_dict() for name, f in self.fields.items()},
+        }
+        if self.extensions:
+            out["extensions"] = [e.to_dict() for e in self.extensions]
+        if self.metadata:
+            out["metadata"] = dict(self.metadata)
+        return out
+
+    def to_bytes(self) -> bytes:
+        return manifest_bytes(self.to_dict())
+
+    def file(self, path: str) -> FileRecord:
+        for record in self.files:
+            if record.path == path:
+                return record
+        raise KeyError(path)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def checkpoint_id(data: bytes) -> str:
+    """The checkpoint id: sha256 of the manifest's bytes, as written."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _fail(message: str, **where: Any) -> ManifestError:
+    return ManifestError(message, **where)
+
+
+def _int(value: object, what: str, **where: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise _fail(f"{what} must be a non-negative integer, got {value!r}", **where)
+    return value
+
+
+def _ints(value: object, what: str, **where: Any) -> tuple[int, ...]:
+    if type(value) is not list:
+        raise _fail(f"{what} must be an array of non-negative integers, got {value!r}", **where)
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise _fail(f"{what} must be an array of non-negative integers, got {value!r}", **where)
+    return tuple(value)
+
+
+def _obj(value: object, what: str, **where: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _fail(f"{what} must be a JSON object, got {type(value).__name__}", **where)
+    return value
+
+
+def _digest(value: object, what: str, **where: Any) -> str:
+    if parse_digest(value) is None:
+        raise _fail(f"{what} {value!r} is not '<algorithm>:<hex>' of a known algorithm", **where)
+    assert isinstance(value, str)
+    return value
+
+
+def _codec(value: object, **where: Any) -> Codec:
+    if value is None:
+        raise _fail("chunk has no 'codec'", **where)
+    raw = _obj(value, "chunk 'codec'", **where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise _fail("codec 'name' must be a non-empty string", **where)
+    if name == RAW and "configuration" not in raw:
+        return RAW_CODEC
+    config = raw.get("configuration")
+    if config is not None:
+        config = _obj(config, "codec 'configuration'", **where)
+    return Codec(name=name, configuration=config)
+
+
+def _parse_version(doc: dict[str, Any]) -> str:
+    if doc.get("format") != FORMAT_NAME:
+        raise ManifestError(f"'format' must be {FORMAT_NAME!r}, got {doc.get('format')!r}")
+    version = doc.get("format_version")
+    if not isinstance(version, str):
+        raise ManifestError(f"'format_version' must be a 'MAJOR.MINOR' string, got {version!r}")
+    major, dot, minor = version.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit() and major.isascii() and minor.isascii()):
+        raise ManifestError(f"'format_version' must be 'MAJOR.MINOR', got {version!r}")
+    if int(major) != FORMAT_MAJOR:
+        raise UnsupportedVersionError(
+            f"format version {version} has major {int(major)}; this reader implements major {FORMAT_MAJOR}"
+        )
+    return version
+
+
+def _parse_extensions(value: object) -> tuple[Extension, ...]:
+    if value is None:
+        return ()
+    if type(value) is not list:
+        raise ManifestError("'extensions' must be an array")
+    out = []
+    for raw in value:
+        raw = _obj(raw, "an extension")
+        name = raw.get("name")
+        must = raw.get("must_understand")
+        if not isinstance(name, str) or type(must) is not bool:
+            raise ManifestError("an extension needs a string 'name' and a boolean 'must_understand'")
+        if must and name not in KNOWN_EXTENSIONS:
+            raise UnsupportedExtensionError(
+                f"extension {name!r} is marked must_understand and this reader does not implement it"
+            )
+        config = raw.get("configuration")
+        out.append(Extension(name=name, must_understand=must, configuration=config))
+    return tuple(out)
+
+
+def _parse_files(value: object) -> tuple[FileRecord, ...]:
+    if type(value) is not list:
+        raise ManifestError("'files' must be an array")
+    out = []
+    previous = ""
+    for raw in value:
+        raw = _obj(raw, "a file record")
+        path = paths.check_path(raw.get("path"), where="files")
+        if path <= previous:
+            raise ManifestError("'files' must be sorted by path with no duplicates", path=path)
+        previous = path
+        size = _int(raw.get("size"), "file 'size'", path=path)
+        digest = _digest(raw.get("digest"), "file 'digest'", path=path)
+        out.append(FileRecord(path=path, size=size, digest=digest))
+    return tuple(out)
+
+
+def _parse_chunk(
+    raw: object, sizes: Mapping[str, int], dtype_size: int, rank: int, where: dict[str, Any]
+) -> ChunkRecord:
+    if type(raw) is not dict:
+        raise _fail("a chunk must be a JSON object", **where)
+    path = raw.get("path")
+    if path not in sizes:
+        if isinstance(path, str):
+            paths.check_path(path, where="chunk")
+        raise _fail(f"chunk names file {path!r}, which 'files' does not list", **where)
+    assert isinstance(path, str)
+    key = raw.get("key")
+    if not isinstance(key, str) or not key:
+        raise _fail("chunk 'key' must be a non-empty string", **where)
+    offsets = _ints(raw.get("offsets"), "chunk 'offsets'", **where)
+    shape = _ints(raw.get("shape"), "chunk 'shape'", **where)
+    if len(offsets) != rank or len(shape) != rank:
+        raise ChunkLayoutError(f"chunk offsets/shape must have the tensor's rank {rank}", **where)
+    rng = raw.get("range")
+    if type(rng) is not list or len(rng) != 2:
+        raise _fail("chunk 'range' must be [begin, end]", **where)
+    begin = _int(rng[0], "chunk range begin", **where)
+    end = _int(rng[1], "chunk range end", **where)
+    if begin > end or end > sizes[path]:
+        raise _fail(f"chunk range [{begin}, {end}] does not fit in file {path!r} of {sizes[path]} bytes", **where)
+    codec = _codec(raw.get("codec"), **where)
+    if codec is RAW_CODEC or codec.name == RAW:
+        count = 1
+        for d in shape:
+            count *= d
+        if end - begin != count * dtype_size:
+            raise _fail(
+                f"chunk of shape {list(shape)} needs {count * dtype_size} bytes, range holds {end - begin}",
+                **where,
+            )
+    return ChunkRecord(
+        path=path,
+        key=key,
+        offsets=offsets,
+        shape=shape,
+        begin=begin,
+        end=end,
+        digest=_digest(raw.get("digest"), "chunk 'digest'", **where),
+        codec=codec,
+    )
+
+
+def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) -> TensorRecord:
+    where: dict[str, Any] = {"field": fname, "tensor": name}
+    problem = paths.tensor_name_problem(name)
+    if problem:
+        raise _fail(problem, **where)
+    raw = _obj(raw, "a tensor record", **where)
+    dtype = raw.get("dtype")
+    if not isinstance(dtype, str) or dtype not in dtypes.ITEMSIZE:
+        raise _fail(f"unknown dtype {dtype!r}", **where)
+    shape = _ints(raw.get("shape"), "tensor 'shape'", **where)
+    chunk_list = raw.get("chunks")
+    if type(chunk_list) is not list:
+        raise _fail("tensor 'chunks' must be an array", **where)
+    size = dtypes.ITEMSIZE[dtype]
+    parsed = tuple(_parse_chunk(c, sizes, size, len(shape), where) for c in chunk_list)
+    if len(parsed) == 1 and parsed[0].shape == shape and not any(parsed[0].offsets):
+        return TensorRecord(dtype=dtype, shape=shape, chunks=parsed)  # the common case: whole tensor
+    problem = geometry.coverage_problem(shape, [(c.offsets, c.shape) for c in parsed])
+    if problem:
+        raise ChunkLayoutError(f"chunks do not tile shape {list(shape)}: {problem}", **where)
+    return TensorRecord(dtype=dtype, shape=shape, chunks=parsed)
+
+
+def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecord:
+    if not paths.is_field_name(name):
+        raise ManifestError(f"field name {name!r} must match [a-z][a-z0-9_]{{0,63}}", field=name)
+    raw = _obj(raw, "a field record", field=name)
+    kind = raw.get("kind")
+    context = None
+    if "context" in raw:
+        ref = _obj(raw["context"], "field 'context'", field=name)
+        context = ref.get("path")
+        if context not in sizes:
+            if isinstance(context, str):
+                paths.check_path(context, where="context")
+            raise ManifestError(f"context names file {context!r}, which 'files' does not list", field=name)
+    if kind == "context":
+        if context is None:
+            raise ManifestError("a context field needs 'context'", field=name)
+        return FieldRecord(kind="context", context=context)
+    if kind == "tensors":
+        tensors = _obj(raw.get("tensors"), "field 'tensors'", field=name)
+        parsed = {t: _parse_tensor(t, rec, sizes, name) for t, rec in tensors.items()}
+        return FieldRecord(kind="tensors", tensors=parsed, context=context)
+    raise ManifestError(f"field 'kind' must be 'tensors' or 'context', got {kind!r}", field=name)
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ManifestError(f"duplicate JSON key {key!r}")
+            seen.add(key)
+    return out
+
+
+def _no_float(text: str) -> object:
+    raise ManifestError(f"floating-point number {text} is not allowed in a manifest")
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """Parse and validate manifest bytes. Raises a ManifestError subclass naming what is wrong."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    try:
+        doc = json.loads(
+            data.decode("utf-8"),
+            object_pairs_hook=_reject_duplicate_keys,
+            parse_float=_no_float,
+            parse_constant=_no_float,
+        )
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"manifest is not valid UTF-8: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"manifest is not valid JSON: {exc}") from exc
+    doc = _obj(doc, "the manifest")
+    version = _parse_version(doc)
+    extensions = _parse_extensions(doc.get("extensions"))
+    profile = doc.get("profile")
+    if profile not in PROFILES:
+        raise ManifestError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    metadata = doc.get("metadata", {})
+    if type(metadata) is not dict or not all(isinstance(v, str) for v in metadata.values()):
+        raise ManifestError("'metadata' must map strings to strings")
+    files = _parse_files(doc.get("files"))
+    sizes = {f.path: f.size for f in files}
+    raw_fields = _obj(doc.get("fields"), "'fields'")
+    fields = {name: _parse_field(name, raw, sizes) for name, raw in raw_fields.items()}
+    _check_profile(profile, fields)
+    _check_files_used(files, fields)
+    return Manifest(
+        profile=profile,
+        files=files,
+        fields=fields,
+        format_version=version,
+        extensions=extensions,
+        metadata=metadata,
+    )
+
+
+def _check_profile(profile: str, fields: Mapping[str, FieldRecord]) -> None:
+    for name, kind in PROFILES[profile].items():
+        record = fields.get(name)
+        if record is None:
+            raise MissingFieldError(f"profile {profile!r} requires field {name!r}, which is absent", field=name)
+        if record.kind != kind:
+            raise MissingFieldError(
+                f"profile {profile!r} requires field {name!r} of kind {kind!r}, found kind {record.kind!r}",
+                field=name,
+            )
+
+
+def _check_files_used(files: tuple[FileRecord, ...], fields: Mapping[str, FieldRecord]) -> None:
+    """Every listed file is used, and no file holds both a blob and tensors, or two fields' data."""
+    owner: dict[str, str] = {}
+    for fname, record in fields.items():
+        used = {c.path for t in record.tensors.values() for c in t.chunks}
+        if record.context is not None:
+            if record.context in used:
+                raise UnsafePathError("a context blob must not also hold tensors", path=record.context)
+            used.add(record.context)
+        for path in used:
+            other = owner.setdefault(path, fname)
+            if other != fname:
+                raise ManifestError(f"file is shared by fields {other!r} and {fname!r}", path=path)
+    for file in files:
+        if file.path not in owner:
+            raise ManifestError("file is listed in 'files' but no field uses it", path=file.path)

@@ -1,0 +1,237 @@
+"""Opening a committed checkpoint and reading tensors and context from it.
+
+:func:`open_checkpoint` refuses anything incomplete, invalid or of an unknown major version before
+the caller sees a single tensor. Reads fetch only the byte ranges of the chunks they need, and
+verify each chunk's digest over exactly the bytes read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from . import chunks as geometry
+from . import dtypes
+from .arrays import byte_view
+from .context import decode
+from .digests import new_hasher
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DigestMismatchError,
+    FieldNotFoundError,
+    IncompleteCheckpointError,
+    MissingFileError,
+    SizeMismatchError,
+    UnsupportedCodecError,
+    UsageError,
+)
+from .fields import check_standard_field
+from .manifest import RAW, ChunkRecord, FieldRecord, Manifest, TensorRecord, checkpoint_id, parse_manifest
+from .paths import MANIFEST_NAME
+from .storage import Store, open_store
+
+
+def _digest(algorithm_and_hex: str, data: memoryview) -> str:
+    algorithm = algorithm_and_hex.partition(":")[0]
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
+def read_manifest_bytes(store: Store) -> bytes:
+    """The manifest's bytes, or the error that says why there is no committed checkpoint here."""
+    try:
+        return store.read(MANIFEST_NAME)
+    except MissingFileError:
+        present = [p for p in store.list() if p != MANIFEST_NAME]
+        if present:
+            raise IncompleteCheckpointError(
+                f"{len(present)} file(s) but no manifest commits them: a writer crashed or is still running",
+                path=store.url,
+            ) from None
+        raise CheckpointNotFoundError("no checkpoint here", path=store.url) from None
+
+
+class Checkpoint:
+    """A committed, validated checkpoint. Obtain one with :func:`ckptfmt.open`."""
+
+    def __init__(self, store: Store, manifest: Manifest, manifest_bytes: bytes) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.id = checkpoint_id(manifest_bytes)
+        self._file_records = {f.path: f for f in manifest.files}
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def profile(self) -> str:
+        return self.manifest.profile
+
+    @property
+    def format_version(self) -> str:
+        return self.manifest.format_version
+
+    @property
+    def fields(self) -> Mapping[str, FieldRecord]:
+        return self.manifest.fields
+
+    def field(self, field: str) -> FieldRecord:
+        try:
+            return self.manifest.fields[field]
+        except KeyError:
+            raise FieldNotFoundError(
+                f"no such field; the checkpoint has: {', '.join(self.manifest.fields)}", field=field
+            ) from None
+
+    def tensor_names(self, field: str) -> list[str]:
+        return list(self.field(field).tensors)
+
+    def tensor(self, field: str, name: str) -> TensorRecord:
+        try:
+            return self.field(field).tensors[name]
+        except KeyError:
+            raise FieldNotFoundError("no such tensor in this field", field=field, tensor=name) from None
+
+    def read_tensor(self, field: str, name: str, *, verify: bool = True) -> np.ndarray[Any, Any]:
+        """The whole tensor as a writable numpy array (bf16/fp8 as ml_dtypes), assembled from its chunks."""
+        record = self.tensor(field, name)
+        return self.read_slice(field, name, (0,) * len(record.shape), record.shape, verify=verify)
+
+    def read_slice(
+        self,
+        field: str,
+        name: str,
+        offsets: Sequence[int],
+        shape: Sequence[int],
+        *,
+        verify: bool = True,
+    ) -> np.ndarray[Any, Any]:
+        """The region ``[offsets, offsets + shape)`` of a tensor, reading only the chunks it touches."""
+        record = self.tensor(field, name)
+        region = (tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+        if (
+            len(region[0]) != len(record.shape)
+            or len(region[1]) != len(record.shape)
+            or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(*region, record.shape, strict=True))
+        ):
+            raise UsageError(
+                f"region {list(region[0])}+{list(region[1])} is outside shape {list(record.shape)}",
+                field=field,
+                tensor=name,
+            )
+        dtype = dtypes.to_numpy(record.dtype)
+        out = np.empty(region[1], dtype=dtype)
+        if out.size == 0:
+            return out
+        for chunk in record.chunks:
+            overlap = geometry.intersect(region, (chunk.offsets, chunk.shape))
+            if overlap is None:
+                continue
+            if chunk.offsets == region[0] and chunk.shape == region[1]:
+                self._read_chunk_into(chunk, out, field, name, verify)  # straight into the result
+                continue
+            buf = np.empty(chunk.shape, dtype=dtype)
+            self._read_chunk_into(chunk, buf, field, name, verify)
+            src = tuple(slice(o - c, o - c + s) for o, s, c in zip(overlap[0], overlap[1], chunk.offsets, strict=True))
+            dst = tuple(slice(o - r, o - r + s) for o, s, r in zip(overlap[0], overlap[1], region[0], strict=True))
+            out[dst] = buf[src]
+        return out
+
+    def _read_chunk_into(
+        self, chunk: ChunkRecord, out: np.ndarray[Any, Any], field: str, name: str, verify: bool
+    ) -> None:
+        if chunk.codec.name != RAW:
+            raise UnsupportedCodecError(
+                f"chunk is stored with codec {chunk.codec.name!r}, which this reader does not implement",
+                path=chunk.path,
+                field=field,
+                tensor=name,
+            )
+        view = byte_view(out)
+        try:
+            self.store.read_into(chunk.path, chunk.begin, view)
+        except CheckpointError as exc:
+            exc.locate(field=field, tensor=name)
+            raise
+        if verify:
+            actual = _digest(chunk.digest, view)
+            if actual != chunk.digest:
+                raise DigestMismatchError(
+                    f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
+                    path=chunk.path,
+                    field=field,
+                    tensor=name,
+                )
+
+    def read_tensors(self, field: str, *, verify: bool = True) -> dict[str, np.ndarray[Any, Any]]:
+        return {name: self.read_tensor(field, name, verify=verify) for name in self.tensor_names(field)}
+
+    def iter_tensors(self, field: str, *, verify: bool = True) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
+        """One tensor at a time, so a caller can stream a field larger than memory."""
+        for name in self.tensor_names(field):
+            yield name, self.read_tensor(field, name, verify=verify)
+
+    def has_context(self, field: str) -> bool:
+        return self.field(field).context is not None
+
+    def read_context(self, field: str) -> dict[str, object]:
+        """A field's context map, digest-checked and (for standard fields) schema-checked."""
+        path = self.field(field).context
+        if path is None:
+            raise FieldNotFoundError("field has no context blob", field=field)
+        record = self._file_records[path]
+        data = self.store.read(path)
+        if len(data) != record.size:
+            raise SizeMismatchError(f"blob has {len(data)} bytes, manifest says {record.size}", path=path, field=field)
+        actual = _digest(record.digest, memoryview(data))
+        if actual != record.digest:
+            raise DigestMismatchError(f"blob hashes to {actual}, manifest says {record.digest}", path=path, field=field)
+        value = decode(data, path=path, field=field)
+        try:
+            check_standard_field(field, value)
+        except CheckpointError as exc:
+            exc.locate(path=path)
+            raise
+        return value
+
+    def verify(self, *, quick: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Re-read and re-hash everything; a report of every problem found, not just the first."""
+        from .verify import verify_checkpoint
+
+        return verify_checkpoint(self, quick=quick, progress=progress)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Checkpoint {self.url} profile={self.profile} id={self.id[:19]}…>"
+
+
+def open_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Open a committed checkpoint; refuses incomplete, invalid and unknown-major ones."""
+    store = open_store(url, storage_options)
+    data = read_manifest_bytes(store)
+    try:
+        manifest = parse_manifest(data)
+    except CheckpointError as exc:
+        exc.locate(path=MANIFEST_NAME)
+        raise
+    return Checkpoint(store, manifest, data)
+
+
+from .verify import VerifyReport  # noqa: E402  (verify imports this module's Checkpoint for typing only)

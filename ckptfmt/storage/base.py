@@ -1,0 +1,77 @@
+"""The storage interface: a checkpoint root holding named byte blobs (spec/commit.md says how they are used).
+
+Storage knows paths and bytes, never tensors or manifests. Call sequence of a writer:
+``create(path)`` -> ``OutputFile.write``... -> ``commit()`` (or ``abort()``) for each data file,
+``sync_dirs()``, then ``put_exclusive(manifest)``. A reader calls ``read``, ``read_into``,
+``size`` and ``list``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capabilities:
+    ranged_reads: bool  # read_into fetches only the asked range
+    exclusive_create: bool  # put_exclusive is atomic against concurrent writers
+    local: bool  # a POSIX filesystem (fsync, rename, symlinks exist)
+
+
+class OutputFile(ABC):
+    """A file being written. Nothing is visible under its final name before ``commit``."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the file durable and visible under its final name (replacing, never truncating, an old one)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; leaves nothing under the final name. Idempotent."""
+
+
+class Store(ABC):
+    """A checkpoint root: a local directory or an object-store prefix."""
+
+    url: str
+    capabilities: Capabilities
+
+    @abstractmethod
+    def create(self, path: str) -> OutputFile: ...
+
+    @abstractmethod
+    def put_exclusive(self, path: str, data: bytes) -> None:
+        """Write ``data`` under ``path`` only if nothing is there; raise FileExistsError otherwise."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes:
+        """The whole file; MissingFileError if absent."""
+
+    @abstractmethod
+    def read_into(self, path: str, begin: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes from ``begin``; SizeMismatchError if the file is shorter."""
+
+    @abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def list(self) -> dict[str, int]:
+        """Every file below the root (relative path -> size), hidden ones included."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove a file; a missing one is not an error."""
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:  # noqa: B027 - only local disks need it
+        """Make the directory entries of these files durable (local disks: fsync the directories)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release cached handles."""

@@ -1,0 +1,185 @@
+"""Any fsspec filesystem (memory://, s3://, ...). Object stores publish a file in one step on close."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from ..errors import MissingFileError, SizeMismatchError, StorageError
+from .base import Capabilities, OutputFile, Store
+
+# Filesystems whose writes become visible only when complete (multipart upload), so a failed write
+# can be discarded without ever appearing under the final name.
+_ATOMIC_PUT = {"s3", "s3a", "gcs", "gs", "abfs", "az"}
+PART_SIZE = 64 << 20
+
+
+class DirectOutput(OutputFile):
+    """Streams into the final name; the object store publishes it on close, discards on abort."""
+
+    def __init__(self, fs: Any, full: str, rel: str) -> None:
+        self._rel = rel
+        try:
+            self._file: Any = fs.open(full, "wb", block_size=PART_SIZE)
+        except Exception as exc:
+            raise StorageError(f"cannot create: {exc}", path=rel) from exc
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self._file is not None, "write after commit/abort"
+        try:
+            self._file.write(data)
+        except Exception as exc:
+            self.abort()
+            raise StorageError(f"write failed: {exc}", path=self._rel) from exc
+
+    def commit(self) -> None:
+        assert self._file is not None, "commit after commit/abort"
+        try:
+            self._file.close()
+        except Exception as exc:
+            self.abort()
+            raise StorageError(f"upload failed: {exc}", path=self._rel) from exc
+        self._file = None
+
+    def abort(self) -> None:
+        if self._file is None:
+            return
+        file, self._file = self._file, None
+        try:
+            file.discard()  # aborts the multipart upload instead of publishing a truncated object
+        except Exception:
+            pass
+        file.closed = True  # never let close() (or the finalizer) publish what was written
+
+
+class RenameOutput(OutputFile):
+    """Writes under a hidden temp name, renames into place on commit."""
+
+    def __init__(self, fs: Any, full: str, rel: str) -> None:
+        self._fs = fs
+        self._full = full
+        self._rel = rel
+        head, _, name = full.rpartition("/")
+        self._tmp = f"{head}/.{name}.tmp-{secrets.token_hex(6)}"
+        try:
+            self._file: Any = fs.open(self._tmp, "wb")
+        except Exception as exc:
+            raise StorageError(f"cannot create: {exc}", path=rel) from exc
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self._file is not None, "write after commit/abort"
+        try:
+            self._file.write(data)
+        except Exception as exc:
+            self.abort()
+            raise StorageError(f"write failed: {exc}", path=self._rel) from exc
+
+    def commit(self) -> None:
+        assert self._file is not None, "commit after commit/abort"
+        try:
+            self._file.close()
+            self._file = None
+            self._fs.mv(self._tmp, self._full)
+        except Exception as exc:
+            self.abort()
+            raise StorageError(f"could not publish: {exc}", path=self._rel) from exc
+
+    def abort(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except Exception:
+                pass
+            self._file = None
+        try:
+            self._fs.rm_file(self._tmp)
+        except Exception:
+            pass
+
+
+class FsspecStore(Store):
+    def __init__(self, fs: Any, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self._atomic_put = bool(_ATOMIC_PUT.intersection(protocols))
+        self.capabilities = Capabilities(ranged_reads=True, exclusive_create=self._atomic_put, local=False)
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{path}"
+
+    def _wrap(self, exc: Exception, path: str, doing: str) -> Exception:
+        if isinstance(exc, FileNotFoundError):
+            return MissingFileError("file is missing", path=path)
+        return StorageError(f"{doing} failed: {type(exc).__name__}: {exc}", path=path)
+
+    def create(self, path: str) -> OutputFile:
+        full = self._full(path)
+        if self._atomic_put:
+            return DirectOutput(self.fs, full, path)
+        return RenameOutput(self.fs, full, path)
+
+    def put_exclusive(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._full(path), data, mode="create")
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            # S3 answers a lost If-None-Match race with 412 PreconditionFailed
+            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+                raise FileExistsError(path) from exc
+            raise self._wrap(exc, path, "exclusive write") from exc
+
+    def read(self, path: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._full(path)))
+        except Exception as exc:
+            raise self._wrap(exc, path, "read") from exc
+
+    def read_into(self, path: str, begin: int, out: memoryview) -> None:
+        view = out.cast("B") if out.format != "B" else out
+        if not len(view):
+            return
+        try:
+            data = self.fs.cat_file(self._full(path), start=begin, end=begin + len(view))
+        except Exception as exc:
+            raise self._wrap(exc, path, "ranged read") from exc
+        if len(data) != len(view):
+            raise SizeMismatchError(f"file ends before byte {begin + len(view)}", path=path)
+        view[:] = data
+
+    def size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(self._full(path)))
+        except Exception as exc:
+            raise self._wrap(exc, path, "stat") from exc
+
+    def exists(self, path: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._full(path)))
+        except Exception as exc:
+            raise self._wrap(exc, path, "stat") from exc
+
+    def list(self) -> dict[str, int]:
+        try:
+            self.fs.invalidate_cache(self.root)
+            found = self.fs.find(self.root, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:
+            raise self._wrap(exc, "", "listing") from exc
+        prefix = self.root + "/"
+        out: dict[str, int] = {}
+        for name, info in found.items():
+            if name.startswith(prefix) and info.get("type", "file") == "file":
+                out[name[len(prefix) :]] = int(info.get("size") or 0)
+        return out
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(self._full(path))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise self._wrap(exc, path, "delete") from exc

@@ -1,0 +1,259 @@
+"""Full verification of a checkpoint: every file re-read once, in bounded memory, every problem reported.
+
+One streaming pass per data file computes the file digest and every chunk digest together; the
+safetensors header is checked against the manifest; context blobs are decoded and their standard
+rules (config hash included) re-checked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .context import decode
+from .digests import Hasher, new_hasher
+from .errors import CheckpointError
+from .fields import check_standard_field
+from .manifest import ChunkRecord
+from .safetensors_io import header_length, parse_header
+from .storage import open_store
+
+if TYPE_CHECKING:
+    from .reader import Checkpoint
+
+BLOCK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Problem:
+    code: str
+    message: str
+    path: str | None = None
+    field: str | None = None
+    tensor: str | None = None
+
+    @classmethod
+    def from_error(cls, exc: CheckpointError) -> Problem:
+        return cls(code=exc.code, message=exc.message, path=exc.path, field=exc.field, tensor=exc.tensor)
+
+    def to_dict(self) -> dict[str, str]:
+        out = {"code": self.code, "message": self.message}
+        for key in ("path", "field", "tensor"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+    def __str__(self) -> str:
+        where = [f"{k} {v!r}" for k, v in (("file", self.path), ("field", self.field), ("tensor", self.tensor)) if v]
+        return f"[{self.code}] {', '.join(where)}{': ' if where else ''}{self.message}"
+
+
+@dataclass(slots=True, kw_only=True)
+class VerifyReport:
+    url: str
+    checkpoint_id: str | None = None
+    quick: bool = False
+    files_checked: int = 0
+    bytes_checked: int = 0
+    chunks_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, exc: CheckpointError) -> None:
+        self.problems.append(Problem.from_error(exc))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "checkpoint_id": self.checkpoint_id,
+            "ok": self.ok,
+            "quick": self.quick,
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+            "chunks_checked": self.chunks_checked,
+            "problems": [p.to_dict() for p in self.problems],
+        }
+
+
+def _problem(code: str, message: str, **where: Any) -> Problem:
+    return Problem(code=code, message=message, **where)
+
+
+def verify_checkpoint(
+    ckpt: Checkpoint, *, quick: bool = False, progress: Callable[[int], None] | None = None
+) -> VerifyReport:
+    report = VerifyReport(url=ckpt.url, checkpoint_id=ckpt.id, quick=quick)
+    owners: dict[str, tuple[str, list[tuple[str, ChunkRecord]]]] = {}
+    for fname, record in ckpt.fields.items():
+        for tname, tensor in record.tensors.items():
+            for chunk in tensor.chunks:
+                owners.setdefault(chunk.path, (fname, []))[1].append((tname, chunk))
+        if record.context is not None:
+            owners.setdefault(record.context, (fname, []))
+    present = ckpt.store.list()
+    for file in ckpt.manifest.files:
+        fname, chunk_list = owners.get(file.path, ("", []))
+        where = {"path": file.path, "field": fname or None}
+        if file.path not in present:
+            report.problems.append(_problem("missing_file", "file is missing", **where))
+            continue
+        actual_size = present[file.path]
+        if actual_size != file.size:
+            report.problems.append(
+                _problem("size_mismatch", f"file has {actual_size} bytes, manifest says {file.size}", **where)
+            )
+            if progress:
+                progress(file.size)
+            continue
+        report.files_checked += 1
+        try:
+            if chunk_list:
+                _check_header(ckpt, file.path, file.size, chunk_list, fname, report)
+            if not quick:
+                _check_digests(ckpt, file.path, file.size, file.digest, chunk_list, fname, report, progress)
+                report.bytes_checked += file.size
+            elif progress:
+                progress(file.size)
+        except CheckpointError as exc:
+            report.add(exc.locate(path=file.path, field=fname or None))
+    for fname, record in ckpt.fields.items():
+        if (
+            record.context is None
+            or record.context not in present
+            or present[record.context] != ckpt.manifest.file(record.context).size
+        ):
+            continue
+        try:
+            value = decode(ckpt.store.read(record.context), path=record.context, field=fname)
+            check_standard_field(fname, value)
+        except CheckpointError as exc:
+            report.add(exc.locate(path=record.context, field=fname))
+    return report
+
+
+def _check_header(
+    ckpt: Checkpoint,
+    path: str,
+    size: int,
+    chunk_list: list[tuple[str, ChunkRecord]],
+    fname: str,
+    report: VerifyReport,
+) -> None:
+    prefix = bytearray(min(8, size))
+    ckpt.store.read_into(path, 0, memoryview(prefix))
+    length = header_length(bytes(prefix), size, path)
+    header = bytearray(length)
+    ckpt.store.read_into(path, 8, memoryview(header))
+    entries = parse_header(bytes(header), size, path)
+    dtype_of = {tname: ckpt.fields[fname].tensors[tname].dtype for tname, _ in chunk_list}
+    for tname, chunk in chunk_list:
+        entry = entries.get(chunk.key)
+        where = {"path": path, "field": fname, "tensor": tname}
+        if entry is None:
+            report.problems.append(_problem("safetensors_header", f"key {chunk.key!r} is not in the header", **where))
+        elif (entry.dtype, entry.shape, entry.begin, entry.end) != (
+            dtype_of[tname],
+            chunk.shape,
+            chunk.begin,
+            chunk.end,
+        ):
+            report.problems.append(
+                _problem(
+                    "safetensors_header",
+                    f"header says {entry.dtype}{list(entry.shape)} at [{entry.begin}, {entry.end}), manifest says "
+                    f"{dtype_of[tname]}{list(chunk.shape)} at [{chunk.begin}, {chunk.end})",
+                    **where,
+                )
+            )
+
+
+def _check_digests(
+    ckpt: Checkpoint,
+    path: str,
+    size: int,
+    digest: str,
+    chunk_list: list[tuple[str, ChunkRecord]],
+    fname: str,
+    report: VerifyReport,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """One pass over the file feeding the file hasher and the hasher of whichever chunk each byte is in."""
+    file_hasher = new_hasher(digest.partition(":")[0])
+    spans = sorted(chunk_list, key=lambda item: item[1].begin)
+    open_spans: list[tuple[str, ChunkRecord, Hasher]] = []
+    next_span = 0
+    block = bytearray(min(BLOCK_BYTES, max(size, 1)))
+    pos = 0
+    while pos < size:
+        n = min(len(block), size - pos)
+        view = memoryview(block)[:n]
+        ckpt.store.read_into(path, pos, view)
+        file_hasher.update(view)
+        end = pos + n
+        while next_span < len(spans) and spans[next_span][1].begin < end:
+            tname, chunk = spans[next_span]
+            open_spans.append((tname, chunk, new_hasher(chunk.digest.partition(":")[0])))
+            next_span += 1
+        still_open = []
+        for tname, chunk, hasher in open_spans:
+            lo, hi = max(chunk.begin, pos), min(chunk.end, end)
+            if hi > lo:
+                hasher.update(view[lo - pos : hi - pos])
+            if chunk.end <= end:
+                _finish_chunk(tname, chunk, hasher, path, fname, report)
+            else:
+                still_open.append((tname, chunk, hasher))
+        open_spans = still_open
+        pos = end
+        if progress:
+            progress(n)
+    for tname, chunk in spans[next_span:]:  # zero-byte chunks at the very end
+        _finish_chunk(tname, chunk, new_hasher(chunk.digest.partition(":")[0]), path, fname, report)
+    for tname, chunk, hasher in open_spans:
+        _finish_chunk(tname, chunk, hasher, path, fname, report)
+    actual = f"{digest.partition(':')[0]}:{file_hasher.hexdigest()}"
+    if actual != digest:
+        report.problems.append(
+            _problem("digest_mismatch", f"file hashes to {actual}, manifest says {digest}", path=path, field=fname)
+        )
+
+
+def _finish_chunk(tname: str, chunk: ChunkRecord, hasher: Hasher, path: str, fname: str, report: VerifyReport) -> None:
+    report.chunks_checked += 1
+    actual = f"{chunk.digest.partition(':')[0]}:{hasher.hexdigest()}"
+    if actual != chunk.digest:
+        report.problems.append(
+            _problem(
+                "digest_mismatch",
+                f"chunk {chunk.key!r} bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
+                path=path,
+                field=fname,
+                tensor=tname,
+            )
+        )
+
+
+def verify_url(
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    quick: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Verify whatever is at ``url``: a checkpoint that cannot even be opened is a report with that problem."""
+    from .reader import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(url, storage_options)
+    except CheckpointError as exc:
+        report = VerifyReport(url=open_store(url, storage_options).url, quick=quick)
+        report.add(exc)
+        return report
+    with ckpt:
+        return verify_checkpoint(ckpt, quick=quick, progress=progress)
