@@ -1,0 +1,12 @@
+# Sourced by the other scripts: a project venv in .venv with the package and its test extras installed.
+# Installs non-editable (as users get it); torch is pinned in the extras, served from the machine's wheel.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${CKPTFMT_VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+fi
+"$VENV/bin/pip" install --quiet "$ROOT[$1]"
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
