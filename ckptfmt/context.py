@@ -25,7 +25,9 @@ _INT_MAX = (1 << 64) - 1
 
 
 def _bigint_payload(value: int) -> bytes:
-    return value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)
+    # minimal two's complement: a negative v needs as many bits as ~v (= -v - 1) plus the sign bit
+    magnitude = value if value >= 0 else ~value
+    return value.to_bytes((magnitude.bit_length() + 8) // 8, "big", signed=True)
 
 
 def _prepare(value: object, where: str, depth: int) -> object:
@@ -64,7 +66,7 @@ def encode(value: Mapping[str, object], *, where: str = "context") -> bytes:
     """Encode a map as a context blob; deterministic for equal inputs."""
     if not isinstance(value, Mapping):
         raise ContextError(f"{where}: a context must be a mapping, got {type(value).__name__}")
-    prepared = _prepare(value, "$", 0)
+    prepared = _prepare(value, "$", 1)
     try:
         return msgpack.packb(prepared, use_bin_type=True, use_single_float=False)
     except (ValueError, TypeError, OverflowError) as exc:
@@ -91,12 +93,21 @@ def _decode_ndarray(payload: bytes) -> np.ndarray[Any, Any]:
 
 def _ext_hook(code: int, payload: bytes) -> object:
     if code == EXT_BIGINT:
-        if not payload:
-            raise ValueError("bigint extension with empty payload")
-        return int.from_bytes(payload, "big", signed=True)
+        value = int.from_bytes(payload, "big", signed=True)
+        if not payload or payload != _bigint_payload(value):
+            raise ValueError("bigint extension payload is not minimal-length two's complement")
+        if _INT_MIN <= value <= _INT_MAX:
+            raise ValueError("bigint extension holds a value that fits a msgpack int")
+        return value
     if code == EXT_NDARRAY:
         return _decode_ndarray(payload)
     raise ValueError(f"unknown msgpack extension type {code}")
+
+
+def _reject_timestamp(value: object) -> None:
+    # msgpack decodes extension type -1 (timestamp) itself, never calling ext_hook
+    if isinstance(value, msgpack.Timestamp):
+        raise ValueError("unknown msgpack extension type -1 (timestamp)")
 
 
 def _pairs_hook(pairs: list[tuple[object, object]]) -> dict[str, object]:
@@ -106,11 +117,19 @@ def _pairs_hook(pairs: list[tuple[object, object]]) -> dict[str, object]:
             raise ValueError(f"map key {key!r} is not a string")
         if key in out:
             raise ValueError(f"duplicate map key {key!r}")
+        _reject_timestamp(value)
         out[key] = value
     return out
 
 
-def _depth(value: object, depth: int = 0) -> int:
+def _list_hook(items: list[object]) -> list[object]:
+    for item in items:
+        _reject_timestamp(item)
+    return items
+
+
+def _depth(value: object, depth: int = 1) -> int:
+    """Nesting depth; the top-level map counts as 1 (CTX-7)."""
     if depth > MAX_DEPTH:
         return depth
     if isinstance(value, dict):
@@ -131,6 +150,7 @@ def decode(data: bytes, *, path: str | None = None, field: str | None = None) ->
             use_list=True,
             strict_map_key=False,  # checked by _pairs_hook, to report it in our words
             object_pairs_hook=_pairs_hook,
+            list_hook=_list_hook,
             ext_hook=_ext_hook,
         )
     except CheckpointError as exc:

@@ -190,6 +190,12 @@ class StorageError(CheckpointError, OSError):
     code = "storage"
 
 
+class SourceFormatError(CheckpointError, ValueError):
+    """A checkpoint in another format (Hugging Face, PyTorch .pt, DCP) is malformed, or unsafe to load."""
+
+    code = "invalid_source"
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
@@ -208,6 +214,7 @@ __all__ = [
     "MissingFileError",
     "SafetensorsHeaderError",
     "SizeMismatchError",
+    "SourceFormatError",
     "StorageError",
     "UnsafePathError",
     "UnsupportedCodecError",

@@ -4,11 +4,61 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from datetime import datetime
+
+import numpy as np
 
 from .canonical import config_hash
 from .errors import ConfigHashMismatchError, ContextError
 
-_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})")
+_CREATED_AT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z")
+
+
+def _is_created_at(value: object) -> bool:
+    """RFC 3339 date-time in UTC, uppercase T and Z only (FLD-12), with valid field ranges."""
+    if not isinstance(value, str) or _CREATED_AT.fullmatch(value) is None:
+        return False
+    try:
+        datetime.strptime(value[:19], "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        return False
+    return True
+
+
+def _rng_state_problem(kind: str, gen: Mapping[str, object]) -> str | None:
+    """Why a generator record of a known kind has a malformed state (RNG-1..5); unknown kinds pass (RNG-6)."""
+    state = gen.get("state")
+    if kind == "python.random":
+        ok = (
+            isinstance(state, list)
+            and len(state) == 3
+            and type(state[0]) is int
+            and isinstance(state[1], list)
+            and len(state[1]) == 625
+            and all(type(v) is int for v in state[1])
+            and (state[2] is None or isinstance(state[2], float))
+        )
+        return None if ok else "state must be [int version, 625 ints, float or nil]"
+    if kind == "numpy.random_state":
+        ok = (
+            isinstance(state, dict)
+            and state.get("algorithm") == "MT19937"
+            and isinstance(state.get("key"), np.ndarray)
+            and state["key"].dtype == np.dtype("<u4")
+            and state["key"].shape == (624,)
+            and all(type(state.get(k)) is int for k in ("pos", "has_gauss"))
+            and isinstance(state.get("cached_gaussian"), float)
+        )
+        return None if ok else "state must be {algorithm: 'MT19937', key: U32[624], pos, has_gauss, cached_gaussian}"
+    if kind == "numpy.bit_generator":
+        ok = isinstance(state, dict) and isinstance(state.get("bit_generator"), str)
+        return None if ok else "state must be a map with a str 'bit_generator'"
+    if kind in ("torch.cpu", "torch.cuda"):
+        if not (isinstance(state, np.ndarray) and state.dtype == np.uint8):
+            return "state must be an ndarray of U8"
+        if kind == "torch.cuda" and type(gen.get("device")) is not int:
+            return "a torch.cuda generator needs an int 'device'"
+    return None
 
 
 def _is_count(value: object) -> bool:
@@ -30,6 +80,9 @@ def check_rng(value: Mapping[str, object]) -> None:
             "rng",
             f"generator {name!r} must be a map with a string 'kind' and a 'state'",
         )
+        problem = _rng_state_problem(gen["kind"], gen)
+        if problem:
+            raise ContextError(f"generator {name!r} of kind {gen['kind']!r}: {problem}", field="rng")
 
 
 def check_data(value: Mapping[str, object]) -> None:
@@ -71,11 +124,10 @@ def check_provenance(value: Mapping[str, object]) -> None:
         "provenance",
         "'writer' must be a map with string 'name' and 'version'",
     )
-    created = value.get("created_at")
     _require(
-        isinstance(created, str) and _RFC3339.fullmatch(created) is not None,
+        _is_created_at(value.get("created_at")),
         "provenance",
-        "'created_at' must be an RFC 3339 timestamp",
+        "'created_at' must be an RFC 3339 UTC timestamp like 2025-01-01T00:00:00Z",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,7 +22,6 @@ from .errors import (
     ChunkLayoutError,
     ManifestError,
     MissingFieldError,
-    UnsafePathError,
     UnsupportedExtensionError,
     UnsupportedVersionError,
 )
@@ -36,6 +36,7 @@ KNOWN_EXTENSIONS: frozenset[str] = frozenset()
 RAW = "raw"
 
 FieldKind = Literal["tensors", "context"]
+_VERSION = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,9 +234,9 @@ def _parse_version(doc: dict[str, Any]) -> str:
     version = doc.get("format_version")
     if not isinstance(version, str):
         raise ManifestError(f"'format_version' must be a 'MAJOR.MINOR' string, got {version!r}")
-    major, dot, minor = version.partition(".")
-    if not (dot and major.isdigit() and minor.isdigit() and major.isascii() and minor.isascii()):
-        raise ManifestError(f"'format_version' must be 'MAJOR.MINOR', got {version!r}")
+    if _VERSION.fullmatch(version) is None:
+        raise ManifestError(f"'format_version' must be 'MAJOR.MINOR' without leading zeros, got {version!r}")
+    major = version.partition(".")[0]
     if int(major) != FORMAT_MAJOR:
         raise UnsupportedVersionError(
             f"format version {version} has major {int(major)}; this reader implements major {FORMAT_MAJOR}"
@@ -307,7 +308,7 @@ def _parse_chunk(
     if begin > end or end > sizes[path]:
         raise _fail(f"chunk range [{begin}, {end}] does not fit in file {path!r} of {sizes[path]} bytes", **where)
     codec = _codec(raw.get("codec"), **where)
-    if codec is RAW_CODEC or codec.name == RAW:
+    if dtype_size and codec.name == RAW:
         count = 1
         for d in shape:
             count *= d
@@ -335,13 +336,13 @@ def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) 
         raise _fail(problem, **where)
     raw = _obj(raw, "a tensor record", **where)
     dtype = raw.get("dtype")
-    if not isinstance(dtype, str) or dtype not in dtypes.ITEMSIZE:
-        raise _fail(f"unknown dtype {dtype!r}", **where)
+    if not isinstance(dtype, str):
+        raise _fail(f"tensor 'dtype' must be a string, got {dtype!r}", **where)
     shape = _ints(raw.get("shape"), "tensor 'shape'", **where)
     chunk_list = raw.get("chunks")
     if type(chunk_list) is not list:
         raise _fail("tensor 'chunks' must be an array", **where)
-    size = dtypes.ITEMSIZE[dtype]
+    size = dtypes.ITEMSIZE.get(dtype, 0)  # an unknown dtype makes only this tensor unreadable (TEN-1)
     parsed = tuple(_parse_chunk(c, sizes, size, len(shape), where) for c in chunk_list)
     if len(parsed) == 1 and parsed[0].shape == shape and not any(parsed[0].offsets):
         return TensorRecord(dtype=dtype, shape=shape, chunks=parsed)  # the common case: whole tensor
@@ -365,6 +366,8 @@ def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecor
                 paths.check_path(context, where="context")
             raise ManifestError(f"context names file {context!r}, which 'files' does not list", field=name)
     if kind == "context":
+        if "tensors" in raw:
+            raise ManifestError("a context field must not have 'tensors'", field=name)
         if context is None:
             raise ManifestError("a context field needs 'context'", field=name)
         return FieldRecord(kind="context", context=context)
@@ -419,7 +422,7 @@ def parse_manifest(data: bytes) -> Manifest:
     raw_fields = _obj(doc.get("fields"), "'fields'")
     fields = {name: _parse_field(name, raw, sizes) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
-    _check_files_used(files, fields)
+    _check_chunk_keys(fields)
     return Manifest(
         profile=profile,
         files=files,
@@ -442,19 +445,17 @@ def _check_profile(profile: str, fields: Mapping[str, FieldRecord]) -> None:
             )
 
 
-def _check_files_used(files: tuple[FileRecord, ...], fields: Mapping[str, FieldRecord]) -> None:
-    """Every listed file is used, and no file holds both a blob and tensors, or two fields' data."""
-    owner: dict[str, str] = {}
+def _check_chunk_keys(fields: Mapping[str, FieldRecord]) -> None:
+    """No two chunks may claim the same entry of a data file (TEN-22)."""
+    seen: set[tuple[str, str]] = set()
     for fname, record in fields.items():
-        used = {c.path for t in record.tensors.values() for c in t.chunks}
-        if record.context is not None:
-            if record.context in used:
-                raise UnsafePathError("a context blob must not also hold tensors", path=record.context)
-            used.add(record.context)
-        for path in used:
-            other = owner.setdefault(path, fname)
-            if other != fname:
-                raise ManifestError(f"file is shared by fields {other!r} and {fname!r}", path=path)
-    for file in files:
-        if file.path not in owner:
-            raise ManifestError("file is listed in 'files' but no field uses it", path=file.path)
+        for tname, tensor in record.tensors.items():
+            for chunk in tensor.chunks:
+                entry = (chunk.path, chunk.key)
+                if entry in seen:
+                    raise ManifestError(
+                        f"entry {chunk.key!r} of file {chunk.path!r} is claimed by two chunks",
+                        field=fname,
+                        tensor=tname,
+                    )
+                seen.add(entry)

@@ -65,6 +65,7 @@ class Checkpoint:
         self.manifest = manifest
         self.id = checkpoint_id(manifest_bytes)
         self._file_records = {f.path: f for f in manifest.files}
+        self._sizes_checked: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -126,7 +127,11 @@ class Checkpoint:
                 field=field,
                 tensor=name,
             )
-        dtype = dtypes.to_numpy(record.dtype)
+        try:
+            dtype = dtypes.to_numpy(record.dtype)
+        except CheckpointError as exc:
+            exc.locate(field=field, tensor=name)
+            raise
         out = np.empty(region[1], dtype=dtype)
         if out.size == 0:
             return out
@@ -156,6 +161,7 @@ class Checkpoint:
             )
         view = byte_view(out)
         try:
+            self._check_size(chunk.path)
             self.store.read_into(chunk.path, chunk.begin, view)
         except CheckpointError as exc:
             exc.locate(field=field, tensor=name)
@@ -169,6 +175,16 @@ class Checkpoint:
                     field=field,
                     tensor=name,
                 )
+
+    def _check_size(self, path: str) -> None:
+        """Refuse a file whose size is not the manifest's (MAN-19); one stat per file per open."""
+        if path in self._sizes_checked:
+            return
+        actual = self.store.size(path)
+        expected = self._file_records[path].size
+        if actual != expected:
+            raise SizeMismatchError(f"file has {actual} bytes, manifest says {expected}", path=path)
+        self._sizes_checked.add(path)
 
     def read_tensors(self, field: str, *, verify: bool = True) -> dict[str, np.ndarray[Any, Any]]:
         return {name: self.read_tensor(field, name, verify=verify) for name in self.tensor_names(field)}

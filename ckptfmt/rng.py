@@ -73,9 +73,7 @@ def restore_numpy_legacy(
     try:
         key = np.asarray(value["key"], dtype=np.uint32)
         target = state or np.random
-        target.set_state(
-            (value["algorithm"], key, value["pos"], value["has_gauss"], value["cached_gaussian"])
-        )
+        target.set_state((value["algorithm"], key, value["pos"], value["has_gauss"], value["cached_gaussian"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ContextError(f"generator {name!r}: invalid {NUMPY_LEGACY} state: {exc}", field="rng") from exc
 
@@ -91,7 +89,9 @@ def restore_numpy_generator(
         raise ContextError(f"generator {name!r}: invalid {NUMPY_BIT_GENERATOR} state: {exc}", field="rng") from exc
 
 
-def restore_default(rng_field: Mapping[str, object], generators: Mapping[str, np.random.Generator] | None = None) -> None:
+def restore_default(
+    rng_field: Mapping[str, object], generators: Mapping[str, np.random.Generator] | None = None
+) -> None:
     """Restore what :func:`capture_default` captured; every named generator must be present."""
     entries = rng_field.get("generators")
     if not isinstance(entries, Mapping):

@@ -112,9 +112,12 @@ def verify_checkpoint(
                 progress(file.size)
             continue
         report.files_checked += 1
-        try:
-            if chunk_list:
+        if chunk_list:
+            try:
                 _check_header(ckpt, file.path, file.size, chunk_list, fname, report)
+            except CheckpointError as exc:  # a bad header must not hide what the digests find
+                report.add(exc.locate(path=file.path, field=fname or None))
+        try:
             if not quick:
                 _check_digests(ckpt, file.path, file.size, file.digest, chunk_list, fname, report, progress)
                 report.bytes_checked += file.size
@@ -231,7 +234,8 @@ def _finish_chunk(tname: str, chunk: ChunkRecord, hasher: Hasher, path: str, fna
         report.problems.append(
             _problem(
                 "digest_mismatch",
-                f"chunk {chunk.key!r} bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
+                f"chunk {chunk.key!r} bytes [{chunk.begin}, {chunk.end}) hash to {actual}, "
+                f"manifest says {chunk.digest}",
                 path=path,
                 field=fname,
                 tensor=tname,

@@ -53,6 +53,9 @@ from .safetensors_io import build_header
 from .storage import Store
 
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
+# Nonces of locks this process failed to remove while aborting (storage unreachable): a later writer
+# in this process may take them over, since their holder is known to be gone.
+_ABANDONED_LOCKS: set[str] = set()
 SLICE_BYTES = 16 << 20
 
 
@@ -132,11 +135,12 @@ class CheckpointWriter:
     # ------------------------------------------------------------ lock and replace
 
     def _acquire(self, overwrite: bool) -> None:
+        self._nonce = secrets.token_hex(8)
         holder = json.dumps(
             {
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
-                "nonce": secrets.token_hex(8),
+                "nonce": self._nonce,
                 "started_at": _now(),
             },
             sort_keys=True,
@@ -180,6 +184,8 @@ class CheckpointWriter:
             info = json.loads(self.store.read(LOCK_NAME))
         except (CheckpointError, ValueError):
             return False
+        if info.get("nonce") in _ABANDONED_LOCKS:
+            return True
         if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
             return False
         try:
@@ -247,8 +253,13 @@ class CheckpointWriter:
         if pending and self._pending_bytes[field] + nbytes > self.target_file_size:
             self._flush_field(field)
             pending = self._pending.setdefault(field, [])
-        if any(p.key == key for p in pending):
+        clash = next((p for p in pending if p.key == key), None)
+        if clash is not None and clash.name == name:
             raise UsageError(f"chunk at {list(offs)} was already written", field=field, tensor=name)
+        if clash is not None:
+            # A tensor named like another's chunk key ("t@0"): keys need only be unique within a file.
+            self._flush_field(field)
+            pending = self._pending.setdefault(field, [])
         pending.append(_Pending(name=name, key=key, dtype=dtype, array=data, offsets=offs))
         self._pending_bytes[field] = self._pending_bytes.get(field, 0) + nbytes
 
@@ -329,15 +340,14 @@ class CheckpointWriter:
             future.exception()  # wait; errors are moot once aborting
         self._inflight.clear()
         self._pool.shutdown()
-        for path in self._written:
-            try:
-                self.store.delete(path)
-            except CheckpointError:
-                pass
         try:
+            for path in self._written:
+                self.store.delete(path)
             self.store.delete(LOCK_NAME)
         except CheckpointError:
-            pass
+            # Storage is unreachable: stop trying (each attempt waits out retries). What is left is an
+            # incomplete checkpoint that gc removes, and this process may take over its own lock.
+            _ABANDONED_LOCKS.add(self._nonce)
 
     def __enter__(self) -> CheckpointWriter:
         return self

@@ -19,10 +19,16 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
         return LocalStore(text)
     if text.startswith("file://"):
         return LocalStore(text[len("file://") :])
+    options = dict(storage_options or {})
+    if text.startswith(("s3://", "s3a://")):
+        # Throttling, 5xx and dropped connections are retried with backoff by botocore's standard mode.
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+        options["config_kwargs"] = config
     try:
         import fsspec.core
 
-        fs, root = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(text, **options)
     except (ImportError, ValueError) as exc:
         raise StorageError(f"no storage backend for {text!r}: {exc}") from exc
     return FsspecStore(fs, root, text)

@@ -109,16 +109,25 @@ class FsspecStore(Store):
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}"
 
-    def _wrap(self, exc: Exception, path: str, doing: str) -> Exception:
+    def _wrap(self, exc: Exception, path: str, doing: str, *, writing: bool = False) -> Exception:
+        where = f"{self.url.rstrip('/')}/{path}" if path else self.url
         if isinstance(exc, FileNotFoundError):
+            if writing:  # on a write, "not found" means the bucket (or container) is missing
+                return StorageError(f"{doing} failed: no such bucket or location for {where}", path=path)
             return MissingFileError("file is missing", path=path)
-        return StorageError(f"{doing} failed: {type(exc).__name__}: {exc}", path=path)
+        if isinstance(exc, PermissionError):
+            return StorageError(f"{doing} failed: access denied to {where}: {exc}", path=path)
+        return StorageError(f"{doing} failed for {where}: {type(exc).__name__}: {exc}", path=path)
 
     def create(self, path: str) -> OutputFile:
         full = self._full(path)
-        if self._atomic_put:
-            return DirectOutput(self.fs, full, path)
-        return RenameOutput(self.fs, full, path)
+        try:
+            if self._atomic_put:
+                return DirectOutput(self.fs, full, path)
+            return RenameOutput(self.fs, full, path)
+        except StorageError as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+            raise self._wrap(cause, path, "create", writing=True) from exc
 
     def put_exclusive(self, path: str, data: bytes) -> None:
         try:
@@ -129,7 +138,7 @@ class FsspecStore(Store):
             # S3 answers a lost If-None-Match race with 412 PreconditionFailed
             if "PreconditionFailed" in str(exc) or "412" in str(exc):
                 raise FileExistsError(path) from exc
-            raise self._wrap(exc, path, "exclusive write") from exc
+            raise self._wrap(exc, path, "exclusive write", writing=True) from exc
 
     def read(self, path: str) -> bytes:
         try:
@@ -182,4 +191,4 @@ class FsspecStore(Store):
         except FileNotFoundError:
             pass
         except Exception as exc:
-            raise self._wrap(exc, path, "delete") from exc
+            raise self._wrap(exc, path, "delete", writing=True) from exc

@@ -1,0 +1,155 @@
+"""PyTorch Distributed Checkpoint (DCP) directories, both directions, in a single process.
+
+Reading never goes through torch's reader (which unpickles ``.metadata`` unrestricted): the
+metadata is read by :mod:`.dcp_metadata`, and each stored item is the byte range
+``file[offset:offset+length]`` of a ``*.distcp`` file holding one ``torch.save``'d tensor chunk or
+value, loaded with ``torch.load(weights_only=True)``. Tensor chunks keep their DCP geometry (a
+tensor saved by several ranks stays chunked the same way). Everything goes to the ``weights``
+field under its DCP fully qualified name; non-tensor values become that field's context.
+Writing calls ``torch.distributed.checkpoint.save`` with the field's tensors (and context values).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import SourceFormatError, UsageError
+from .base import ConvertResult, Location, NoProgress, Progress, converted_from, fs_call, locate, read_range
+from .dcp_metadata import METADATA_NAME, DcpMetadata, StoredItem, parse_metadata
+from .torch_bridge import context_value, is_tensor, to_torch
+
+
+def read_metadata(loc: Location) -> DcpMetadata:
+    meta = loc.join(METADATA_NAME)
+    if not fs_call(meta.url, loc.fs.exists, meta.path):
+        raise SourceFormatError("no .metadata: not a DCP checkpoint (or an unfinished one)", path=loc.url)
+    return parse_metadata(fs_call(meta.url, loc.fs.cat_file, meta.path))
+
+
+def load_item(loc: Location, item: StoredItem, fqn: str) -> Any:
+    """One stored item, unpickled only as far as ``torch.load(weights_only=True)`` goes."""
+    import torch
+
+    data = read_range(loc.join(item.relative_path), item.offset, item.length)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise SourceFormatError(
+            f"refused: {fqn!r} holds objects weights_only loading will not build", path=fqn
+        ) from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise SourceFormatError(
+            f"{fqn!r}: bytes [{item.offset}, {item.offset + item.length}) are not a torch.save'd value "
+            f"(only DCP's default torch_save serialization is supported): {exc}",
+            path=item.relative_path,
+        ) from exc
+
+
+def import_dcp(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    target_file_size: int | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    import ckptfmt
+
+    progress = progress or NoProgress()
+    loc = locate(src, storage_options)
+    md = read_metadata(loc)
+    progress.start(sum(c.item.length for t in md.tensors.values() for c in t.chunks))
+    result = ConvertResult(source=loc.url, source_format="dcp", destination=dst, destination_format="ckptfmt")
+    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
+    if target_file_size is not None:
+        options["target_file_size"] = target_file_size
+    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
+        writer.write_tensors("weights", {})
+        for fqn, info in md.tensors.items():
+            whole = len(info.chunks) == 1 and info.chunks[0].sizes == info.size
+            for chunk in info.chunks:
+                tensor = load_item(loc, chunk.item, fqn)
+                if not is_tensor(tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != info.dtype:
+                    got = f"{getattr(tensor, 'dtype', type(tensor).__name__)}{list(getattr(tensor, 'shape', []))}"
+                    raise SourceFormatError(
+                        f"{fqn!r} chunk at {list(chunk.offsets)}: metadata says {info.dtype}{list(chunk.sizes)}, "
+                        f"stored value is {got}",
+                        path=chunk.item.relative_path,
+                    )
+                if whole:
+                    writer.write_tensor("weights", fqn, tensor)
+                else:
+                    writer.write_tensor("weights", fqn, tensor, global_shape=info.size, offsets=chunk.offsets)
+                result.bytes += int(tensor.numel()) * tensor.element_size()
+                progress.advance(chunk.item.length)
+            result.tensors += 1
+        values = {fqn: context_value(load_item(loc, item, fqn), fqn) for fqn, item in md.blobs.items()}
+        if values:
+            writer.write_context("weights", values)
+        writer.write_context("provenance", converted_from("dcp", loc.url, dcp_version=md.version))
+    result.checkpoint_id = writer.checkpoint_id
+    return result
+
+
+def _plain(value: object, where: str) -> object:
+    """A context value as torch.save can store it and weights_only loading can read it back."""
+    if isinstance(value, np.ndarray):
+        raise UsageError(f"context value {where!r} is an array; DCP export supports plain values only")
+    if isinstance(value, Mapping):
+        return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, f"{where}.{i}") for i, v in enumerate(value)]
+    return value
+
+
+def export_dcp(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    field: str = "weights",
+    progress: Progress | None = None,
+) -> ConvertResult:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    import ckptfmt
+
+    progress = progress or NoProgress()
+    out = locate(dst, storage_options)
+    if not overwrite and fs_call(out.url, out.fs.exists, out.join(METADATA_NAME).path):
+        raise ckptfmt.CheckpointExistsError("a DCP checkpoint is already here; pass --overwrite", path=out.url)
+    result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="dcp")
+    with ckptfmt.open(src, storage_options) as ckpt:
+        records = ckpt.field(field).tensors
+        progress.start(sum(r.nbytes for r in records.values()))
+        state: dict[str, object] = {}
+        for name, record in records.items():
+            state[name] = to_torch(ckpt.read_tensor(field, name), record.dtype)
+            result.tensors += 1
+            result.bytes += record.nbytes
+            progress.advance(record.nbytes)
+        if ckpt.has_context(field):
+            for key, value in ckpt.read_context(field).items():
+                if key in state:
+                    raise UsageError(f"context key {key!r} has the name of a tensor", field=field)
+                state[key] = _plain(value, key)
+        other = [n for n, rec in ckpt.fields.items() if rec.kind == "tensors" and n != field]
+        if other:
+            result.notes.append(f"not exported (one state dict per DCP checkpoint): fields {', '.join(other)}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        if out.is_local:
+            save(state, checkpoint_id=out.path)
+        else:
+            save(state, storage_writer=FsspecWriter(out.url, **dict(storage_options or {})))
+    result.files = sorted(str(f).rstrip("/").rpartition("/")[2] for f in fs_call(out.url, out.fs.ls, out.path))
+    return result

@@ -1,0 +1,258 @@
+"""Hugging Face safetensors checkpoints, both directions, without torch.
+
+Layouts (as ``huggingface_hub.save_torch_state_dict`` writes them): a single ``model.safetensors``,
+or shards ``model-00001-of-0000N.safetensors`` beside ``model.safetensors.index.json`` =
+``{"metadata": {"total_size": N, ...}, "weight_map": {tensor: shard file}}``. Reading fetches each
+tensor's byte range (headers checked as strictly as ckptfmt's own data files); writing streams one
+tensor at a time, so memory stays at the largest tensor whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CheckpointError, CheckpointExistsError, SourceFormatError
+from ..safetensors_io import HeaderEntry, header_length, parse_header
+from .base import (
+    ConvertResult,
+    Location,
+    NoProgress,
+    Progress,
+    converted_from,
+    fs_call,
+    list_names,
+    locate,
+    read_range,
+)
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # huggingface_hub's "5GB"
+MAX_INDEX_BYTES = 10 << 20  # huggingface_hub refuses larger indexes too
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_header(loc: Location) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """A shard's tensor entries (absolute byte ranges) and its ``__metadata__``."""
+    size = int(fs_call(loc.url, loc.fs.size, loc.path))
+    try:
+        length = header_length(read_range(loc, 0, min(8, size)), size, loc.url)
+        raw = read_range(loc, 8, length)
+        entries = parse_header(raw, size, loc.url)
+        meta = json.loads(raw).get("__metadata__") or {}
+    except CheckpointError as exc:
+        raise SourceFormatError(exc.message, path=loc.url) from exc
+    return entries, meta
+
+
+def _check_shard_name(name: object, index_url: str) -> str:
+    if not isinstance(name, str) or not name.endswith(".safetensors"):
+        raise SourceFormatError(f"weight_map names {name!r}, not a .safetensors file", path=index_url)
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in name:
+        raise SourceFormatError(f"shard {name!r} is not a plain relative path", path=index_url)
+    return name
+
+
+def read_index(loc: Location) -> tuple[dict[str, str], dict[str, object]]:
+    """(tensor -> shard file, the index's metadata), validated as huggingface_hub validates it."""
+    if int(fs_call(loc.url, loc.fs.size, loc.path)) > MAX_INDEX_BYTES:
+        raise SourceFormatError(f"index larger than {MAX_INDEX_BYTES} bytes", path=loc.url)
+    try:
+        doc = json.loads(fs_call(loc.url, loc.fs.cat_file, loc.path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourceFormatError(f"index is not valid JSON: {exc}", path=loc.url) from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise SourceFormatError("index must be a JSON object with a 'weight_map' object", path=loc.url)
+    weight_map = {str(k): _check_shard_name(v, loc.url) for k, v in doc["weight_map"].items()}
+    metadata = doc.get("metadata")
+    return weight_map, dict(metadata) if isinstance(metadata, dict) else {}
+
+
+def find_layout(loc: Location) -> tuple[Location, Location | None]:
+    """(directory, index) or (single shard, None): from the directory, its index file, or a .safetensors file."""
+    names = list_names(loc)
+    if not names:
+        parent = Location(loc.fs, loc.path.rstrip("/").rpartition("/")[0], loc.url.rstrip("/").rpartition("/")[0])
+        if loc.path.endswith(".index.json"):
+            return parent, loc
+        if loc.path.endswith(".safetensors"):
+            return loc, None
+        raise SourceFormatError("not a .safetensors file, an index, or a directory holding them", path=loc.url)
+    indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    if INDEX in indexes or len(indexes) == 1:
+        return loc, loc.join(INDEX if INDEX in indexes else indexes[0])
+    if indexes:
+        raise SourceFormatError(f"several indexes, pass one of them: {', '.join(indexes)}", path=loc.url)
+    files = sorted(n for n, kind in names.items() if kind == "file" and n.endswith(".safetensors"))
+    if len(files) != 1:
+        raise SourceFormatError(f"expected one .safetensors file or an index, found {len(files)}", path=loc.url)
+    return loc.join(files[0]), None
+
+
+def _in_order(shard: Location, entries: Mapping[str, HeaderEntry]) -> list[tuple[Location, HeaderEntry, str]]:
+    return [(shard, e, name) for name, e in sorted(entries.items(), key=lambda kv: kv[1].begin)]
+
+
+def plan_read(src: Location) -> tuple[list[tuple[Location, HeaderEntry, str]], dict[str, object]]:
+    """Every tensor as (shard, header entry, name) in file order, and what to record about the source."""
+    where, index = find_layout(src)
+    if index is None:
+        entries, meta = read_header(where)
+        return _in_order(where, entries), {"layout": "single", "metadata": dict(meta)}
+    weight_map, metadata = read_index(index)
+    items = []
+    for shard_name in sorted(set(weight_map.values())):
+        shard = where.join(shard_name)
+        entries, _ = read_header(shard)
+        listed = {t for t, s in weight_map.items() if s == shard_name}
+        if listed - set(entries):
+            missing = sorted(listed - set(entries))[:5]
+            raise SourceFormatError(f"weight_map puts {missing} in this shard, which lacks them", path=shard.url)
+        if set(entries) - listed:
+            extra = sorted(set(entries) - listed)[:5]
+            raise SourceFormatError(f"shard holds {extra}, which weight_map does not list here", path=shard.url)
+        items += _in_order(shard, entries)
+    return items, {"layout": "sharded", "metadata": {k: v for k, v in metadata.items() if k != "total_size"}}
+
+
+def import_hf(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    target_file_size: int | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    import ckptfmt
+
+    progress = progress or NoProgress()
+    loc = locate(src, storage_options)
+    items, source_info = plan_read(loc)
+    progress.start(sum(e.end - e.begin for _, e, _ in items))
+    result = ConvertResult(source=loc.url, source_format="hf", destination=dst, destination_format="ckptfmt")
+    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
+    if target_file_size is not None:
+        options["target_file_size"] = target_file_size
+    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
+        writer.write_tensors("weights", {})
+        for shard, entry, name in items:
+            array = np.frombuffer(
+                bytearray(read_range(shard, entry.begin, entry.end - entry.begin)), dtype=dtypes.to_numpy(entry.dtype)
+            ).reshape(entry.shape)
+            writer.write_tensor("weights", name, array)
+            result.tensors += 1
+            result.bytes += entry.end - entry.begin
+            progress.advance(entry.end - entry.begin)
+        writer.write_context("provenance", converted_from("hf", loc.url, **source_info))
+    result.checkpoint_id = writer.checkpoint_id
+    return result
+
+
+# ---------------------------------------------------------------- writing
+
+
+def plan_shards(sizes: Mapping[str, int], max_shard_size: int) -> list[list[str]]:
+    """huggingface_hub's split: fill shards in order; a tensor over the limit gets a shard of its own."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes.items():
+        if size > max_shard_size:
+            shards.append([name])
+            continue
+        if current and current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[str]]:
+    """Header bytes for (name, dtype, shape, nbytes), tensors ordered like the safetensors library orders
+    them (largest item size first, then by name, so each one is aligned), and that order."""
+    order = sorted(tensors, key=lambda t: (-dtypes.itemsize(t[1]), t[0]))
+    table: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, nbytes in order:
+        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, [t[0] for t in order]
+
+
+_OUR_NAMES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def _clear(out: Location, overwrite: bool) -> None:
+    """Refuse to write over an earlier export, or (overwrite) delete its shards and index first."""
+    old = sorted(n for n, kind in list_names(out).items() if kind == "file" and _OUR_NAMES.fullmatch(n))
+    if old and not overwrite:
+        raise CheckpointExistsError(f"{', '.join(old)} already here; pass --overwrite to replace", path=out.url)
+    for name in old:
+        fs_call(out.url, out.fs.rm_file, out.join(name).path)
+
+
+def export_hf(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    field: str = "weights",
+    progress: Progress | None = None,
+) -> ConvertResult:
+    import ckptfmt
+
+    progress = progress or NoProgress()
+    out = locate(dst, storage_options)
+    result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="hf")
+    with ckptfmt.open(src, storage_options) as ckpt:
+        records = ckpt.field(field).tensors
+        sizes = {name: rec.nbytes for name, rec in records.items()}
+        shards = plan_shards(sizes, max_shard_size)
+        names = (
+            [SINGLE]
+            if len(shards) <= 1
+            else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        )
+        _clear(out, overwrite)
+        fs_call(out.url, out.fs.makedirs, out.path, exist_ok=True)
+        progress.start(sum(sizes.values()))
+        weight_map: dict[str, str] = {}
+        for filename, members in zip(names, shards or [[]], strict=True):
+            target = out.join(filename)
+            header, order = shard_header([(n, records[n].dtype, records[n].shape, sizes[n]) for n in members])
+            with fs_call(target.url, out.fs.open, target.path, "wb") as f:
+                f.write(header)
+                for name in order:
+                    f.write(np.ascontiguousarray(ckpt.read_tensor(field, name)).reshape(-1).view(np.uint8).data)
+                    weight_map[name] = filename
+                    result.tensors += 1
+                    result.bytes += sizes[name]
+                    progress.advance(sizes[name])
+            result.files.append(filename)
+        if len(names) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+            fs_call(out.url, out.fs.pipe_file, out.join(INDEX).path, json.dumps(index, indent=2).encode())
+            result.files.append(INDEX)
+        other = [n for n, rec in ckpt.fields.items() if rec.kind == "tensors" and n != field]
+        if other:
+            result.notes.append(f"not exported (Hugging Face holds one state dict): fields {', '.join(other)}")
+    return result

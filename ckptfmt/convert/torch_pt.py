@@ -1,0 +1,126 @@
+"""PyTorch state-dict files (``.pt``, ``.bin``, ``.pth``) into ckptfmt. Import only.
+
+Loaded with ``torch.load(weights_only=True)``: torch's restricted unpickler, which builds tensors,
+containers and primitives and refuses every other global. Tensors are named by their dotted path
+in the nested dicts (the convention of ``state_dict()``); an optimizer state dict found anywhere
+(``{"state": ..., "param_groups": ...}``) becomes the ``optimizer`` field, its tensors named
+relative to it (``state.0.exp_avg``) and its non-tensor state (``param_groups``...) its context.
+Other non-tensor values (``epoch``, ``step``...) become the ``weights`` field's context.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+import zipfile
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, SourceFormatError
+from .base import ConvertResult, Location, NoProgress, Progress, converted_from, fs_call, list_names, locate
+from .torch_bridge import Split, find_optimizers, pop_path, split_tree
+
+SUFFIXES = (".pt", ".bin", ".pth")
+
+
+def find_file(loc: Location) -> Location:
+    """The state-dict file: ``loc`` itself, or the single .pt/.bin/.pth file of a directory."""
+    names = list_names(loc)
+    if not names:
+        if not fs_call(loc.url, loc.fs.exists, loc.path):
+            raise CheckpointNotFoundError("no such file or directory", path=loc.url)
+        return loc
+    found = sorted(n for n, kind in names.items() if kind == "file" and n.endswith(SUFFIXES))
+    if len(found) != 1:
+        raise SourceFormatError(
+            f"expected one .pt/.bin/.pth file in the directory, found {len(found)}: {', '.join(found)}", path=loc.url
+        )
+    return loc.join(found[0])
+
+
+def load(loc: Location) -> Any:
+    """``torch.load(weights_only=True)`` of a local or remote file; memory-mapped when local."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on pickle protocols are not the operator's concern
+        return _load(loc)
+
+
+def _load(loc: Location) -> Any:
+    import torch
+
+    try:
+        if loc.is_local:
+            try:
+                return torch.load(loc.path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+        with fs_call(loc.url, loc.fs.open, loc.path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SourceFormatError(
+            f"refused: the file holds objects torch.load(weights_only=True) will not build ({first})", path=loc.url
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        raise SourceFormatError(f"not a readable PyTorch file: {exc}", path=loc.url) from exc
+
+
+def split_state(obj: object, url: str) -> tuple[Split, Split | None, list[str]]:
+    """(weights, optimizer or None, dotted paths of the optimizer state dicts found)."""
+    if not isinstance(obj, Mapping):
+        raise SourceFormatError(f"top level is a {type(obj).__name__}; expected a dict of tensors", path=url)
+    tree = dict(obj)
+    key_paths = find_optimizers(tree)
+    names = [".".join(str(k) for k in p) for p in key_paths]
+    if key_paths == [()]:
+        return Split(), split_tree(tree), names
+    optimizers = [pop_path(tree, p) for p in key_paths]
+    weights = split_tree(tree)
+    if not optimizers:
+        return weights, None, names
+    if len(optimizers) == 1:
+        return weights, split_tree(optimizers[0]), names
+    merged = Split()
+    for name, opt in zip(names, optimizers, strict=True):
+        part = split_tree(opt, prefix=name, into=Split(tensors=merged.tensors))
+        merged.rest[name] = part.rest
+    return weights, merged, names
+
+
+def import_pt(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    target_file_size: int | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    import ckptfmt
+
+    progress = progress or NoProgress()
+    loc = find_file(locate(src, storage_options))
+    weights, optimizer, opt_paths = split_state(load(loc), loc.url)
+    parts = [("weights", weights)] + ([("optimizer", optimizer)] if optimizer is not None else [])
+    total = sum(int(t.numel()) * t.element_size() for _, part in parts for t in part.tensors.values())
+    progress.start(total)
+    result = ConvertResult(source=loc.url, source_format="pt", destination=dst, destination_format="ckptfmt")
+    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
+    if target_file_size is not None:
+        options["target_file_size"] = target_file_size
+    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
+        for field, part in parts:
+            writer.write_tensors(field, {})
+            for name, tensor in part.tensors.items():
+                writer.write_tensor(field, name, tensor)
+                nbytes = int(tensor.numel()) * tensor.element_size()
+                result.tensors += 1
+                result.bytes += nbytes
+                progress.advance(nbytes)
+            if part.rest:
+                writer.write_context(field, part.rest)
+        extra: dict[str, object] = {"optimizer_keys": opt_paths} if opt_paths else {}
+        writer.write_context("provenance", converted_from("pt", loc.url, **extra))
+    result.checkpoint_id = writer.checkpoint_id
+    return result

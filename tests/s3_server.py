@@ -1,0 +1,189 @@
+"""A real S3 HTTP endpoint on loopback for the tests: moto's server mode in its own process.
+
+Also a byte-counting TCP proxy, so a test can measure what actually crossed the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """``python -m moto.server`` on 127.0.0.1; can be killed and restarted on the same port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, **CREDENTIALS}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("moto server did not come up within 30 s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
+        return {
+            "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": endpoint or self.endpoint, "region_name": "us-east-1"},
+            "skip_instance_cache": True,
+        }
+
+    def create_bucket(self) -> str:
+        import boto3
+
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket=name)
+        return name
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
+
+
+@dataclass
+class CountingProxy:
+    """Forwards 127.0.0.1:port to the target, counting bytes each way."""
+
+    target_port: int
+    port: int = field(default_factory=free_port)
+    sent_to_server: int = 0
+    cut_after: int | None = None  # cut the network once this many bytes went upstream
+    received_from_server: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _cut: threading.Event = field(default_factory=threading.Event)
+    _sockets: list[socket.socket] = field(default_factory=list)
+
+    def cut(self) -> None:
+        """A network partition: every open connection dropped, new ones closed at once."""
+        self._cut.set()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def heal(self) -> None:
+        self._cut.clear()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent_to_server = self.received_from_server = 0
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+                with self._lock:
+                    if upstream:
+                        self.sent_to_server += len(data)
+                    else:
+                        self.received_from_server += len(data)
+                    trip = upstream and self.cut_after is not None and self.sent_to_server >= self.cut_after
+                if trip:
+                    self.cut_after = None
+                    self.cut()
+                    break
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _serve(self, listener: socket.socket) -> None:
+        listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if self._cut.is_set():
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                server.settimeout(None)
+            except OSError:  # the target is down: the client sees its connection refused too
+                client.close()
+                continue
+            with self._lock:
+                self._sockets.extend((client, server))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+        listener.close()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[CountingProxy]:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        thread = threading.Thread(target=self._serve, args=(listener,), daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join(timeout=5)
