@@ -11,3 +11,16 @@ import ckptfmt
 @click.version_option(ckptfmt.__version__, prog_name="ckpt")
 def cli() -> None:
     """Inspect, verify, list, diff and convert ckptfmt checkpoints (local paths or fsspec URLs)."""
+
+
+from .convert import convert_cmd  # noqa: E402
+from .diff import diff_cmd  # noqa: E402
+from .inspect import inspect_cmd  # noqa: E402
+from .ls import ls_cmd  # noqa: E402
+from .verify import verify_cmd  # noqa: E402
+
+cli.add_command(inspect_cmd)
+cli.add_command(verify_cmd)
+cli.add_command(ls_cmd)
+cli.add_command(diff_cmd)
+cli.add_command(convert_cmd)

@@ -1,0 +1,69 @@
+"""``ckpt diff A B``: what changed between two checkpoints; exit 0 identical, 1 different."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+import ckptfmt
+
+from .compare import compare
+from .errors import FAILED, OK, reports_errors
+from .options import json_output, storage_options
+from .output import emit_json
+
+
+def _render(doc: dict[str, Any]) -> str:
+    if doc["identical"]:
+        return f"identical: {doc['a']} and {doc['b']}"
+    lines = [f"--- {doc['a']}", f"+++ {doc['b']}"]
+    lines += [f"+ field {n}" for n in doc["fields"]["added"]]
+    lines += [f"- field {n}" for n in doc["fields"]["removed"]]
+    lines += [f"~ field {c['name']}: kind {c['kind'][0]} -> {c['kind'][1]}" for c in doc["fields"]["changed"]]
+    lines += [f"+ tensor {t['field']}/{t['name']}" for t in doc["tensors"]["added"]]
+    lines += [f"- tensor {t['field']}/{t['name']}" for t in doc["tensors"]["removed"]]
+    for t in doc["tensors"]["changed"]:
+        what = []
+        if t["dtype"][0] != t["dtype"][1]:
+            what.append(f"dtype {t['dtype'][0]} -> {t['dtype'][1]}")
+        if t["shape"][0] != t["shape"][1]:
+            what.append(f"shape {t['shape'][0]} -> {t['shape'][1]}")
+        if t["different_elements"] is not None:
+            what.append(f"{t['different_elements']} element(s) differ")
+        if t["max_abs_diff"] is not None:
+            what.append(f"max abs diff {t['max_abs_diff']:.6g}")
+        if t["nonfinite_mismatches"]:
+            what.append(f"{t['nonfinite_mismatches']} NaN/inf mismatch(es)")
+        lines.append(f"~ tensor {t['field']}/{t['name']}: {', '.join(what)}")
+    marks = {"added": "+", "removed": "-", "changed": "~"}
+    lines += [f"{marks[c['change']]} context {c['field']}: {c['key']}" for c in doc["context"]]
+    lines += [f"~ metadata {k}" for k in doc["metadata"]]
+    return "\n".join(lines)
+
+
+@click.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option(
+    "--ignore",
+    multiple=True,
+    metavar="GLOB",
+    help="Leave out a FIELD, a tensor FIELD/NAME, a context key FIELD.KEY.PATH or metadata.KEY (repeatable), "
+    "e.g. --ignore provenance.",
+)
+@storage_options
+@json_output
+@reports_errors
+def diff_cmd(a: str, b: str, ignore: tuple[str, ...], storage_options: dict[str, Any], as_json: bool) -> None:
+    """Compare checkpoints A and B: fields, tensors (with max abs difference of floats), context keys.
+
+    Exit 0 when identical, 1 when they differ.
+    """
+    with ckptfmt.open(a, storage_options) as ca, ckptfmt.open(b, storage_options) as cb:
+        doc = {"a": ca.url, "b": cb.url, **compare(ca, cb, ignore=ignore)}
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(_render(doc))
+    raise SystemExit(OK if doc["identical"] else FAILED)
