@@ -182,7 +182,11 @@ def main() -> None:
         r = ops.get("read")
         rw = f"{ours['write'] / w:.2f}x" if w and name != "ckptfmt" else ""
         rr = f"{ours['read'] / r:.2f}x" if r and name != "ckptfmt" else ""
-        print(f"{name:24}{w or 0:12.0f}{r or 0:12.0f}{rw:>16}{rr:>16}" if r else f"{name:24}{w or 0:12.0f}{'':>12}{rw:>16}")
+        print(
+            f"{name:24}{w or 0:12.0f}{r or 0:12.0f}{rw:>16}{rr:>16}"
+            if r
+            else f"{name:24}{w or 0:12.0f}{'':>12}{rw:>16}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"bytes": nbytes, "cold_reads": cold, "median_mb_s": summary}, indent=2))
 

@@ -196,6 +196,12 @@ class SourceFormatError(CheckpointError, ValueError):
     code = "invalid_source"
 
 
+class ResumeMismatchError(CheckpointError):
+    """Resuming under a different config, code commit or dataset than the checkpoint was written with."""
+
+    code = "resume_mismatch"
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
@@ -212,6 +218,7 @@ __all__ = [
     "ManifestError",
     "MissingFieldError",
     "MissingFileError",
+    "ResumeMismatchError",
     "SafetensorsHeaderError",
     "SizeMismatchError",
     "SourceFormatError",

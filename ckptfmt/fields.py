@@ -29,11 +29,12 @@ def _rng_state_problem(kind: str, gen: Mapping[str, object]) -> str | None:
     """Why a generator record of a known kind has a malformed state (RNG-1..5); unknown kinds pass (RNG-6)."""
     state = gen.get("state")
     if kind == "python.random":
+        # tuples too: a writer checks random.getstate() itself, which encodes with tuples as arrays
         ok = (
-            isinstance(state, list)
+            isinstance(state, (list, tuple))
             and len(state) == 3
             and type(state[0]) is int
-            and isinstance(state[1], list)
+            and isinstance(state[1], (list, tuple))
             and len(state[1]) == 625
             and all(type(v) is int for v in state[1])
             and (state[2] is None or isinstance(state[2], float))

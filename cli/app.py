@@ -15,6 +15,7 @@ def cli() -> None:
 
 from .convert import convert_cmd  # noqa: E402
 from .diff import diff_cmd  # noqa: E402
+from .dump import dump_cmd  # noqa: E402
 from .inspect import inspect_cmd  # noqa: E402
 from .ls import ls_cmd  # noqa: E402
 from .verify import verify_cmd  # noqa: E402
@@ -24,3 +25,4 @@ cli.add_command(verify_cmd)
 cli.add_command(ls_cmd)
 cli.add_command(diff_cmd)
 cli.add_command(convert_cmd)
+cli.add_command(dump_cmd)

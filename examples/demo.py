@@ -66,7 +66,9 @@ def main() -> int:
             else:
                 w.write_tensor("weights", name, array.astype(ml_dtypes.bfloat16))
         w.write_tensors("optimizer", optimizer)
-        w.write_context("optimizer", {"param_groups": [{"lr": CONFIG["lr"], "betas": [0.9, 0.95], "weight_decay": 0.1}]})
+        w.write_context(
+            "optimizer", {"param_groups": [{"lr": CONFIG["lr"], "betas": [0.9, 0.95], "weight_decay": 0.1}]}
+        )
         w.write_context("rng", rng.capture_default({"data": data_rng}))
         w.write_context(
             "data",

@@ -79,9 +79,10 @@ def test_write_open_read_verify_on_s3(moto: MotoServer, bucket: str, small_parts
 
 def test_exception_in_block_leaves_no_object_and_no_upload(moto: MotoServer, bucket: str, small_parts: None) -> None:
     url = f"s3://{bucket}/ck"
-    with pytest.raises(RuntimeError, match="trainer blew up"), ckptfmt.open_writer(
-        url, storage_options=moto.storage_options(), target_file_size=1 * MiB
-    ) as w:
+    with (
+        pytest.raises(RuntimeError, match="trainer blew up"),
+        ckptfmt.open_writer(url, storage_options=moto.storage_options(), target_file_size=1 * MiB) as w,
+    ):
         w.write_tensor("weights", "a", np.ones(3 * MiB // 4, np.float32))
         w.write_tensor("weights", "b", np.ones(12 * MiB // 4, np.float32))  # flushes "a"
         w.flush()

@@ -8,6 +8,7 @@ Storage knows paths and bytes, never tensors or manifests. Call sequence of a wr
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,6 +70,16 @@ class Store(ABC):
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove a file; a missing one is not an error."""
+
+    def pending_uploads(self) -> builtins.list[tuple[str, str]]:
+        """Unfinished multipart uploads below the root: (relative path, upload id). Object stores only."""
+        return []
+
+    def abort_upload(self, path: str, upload_id: str) -> None:  # noqa: B027
+        """Abort an unfinished multipart upload (left by a killed writer)."""
+
+    def remove_empty_dirs(self) -> None:  # noqa: B027
+        """Remove directories left empty below the root, the root included (local disks only)."""
 
     def sync_dirs(self, paths: Iterable[str]) -> None:  # noqa: B027 - only local disks need it
         """Make the directory entries of these files durable (local disks: fsync the directories)."""

@@ -193,6 +193,15 @@ class LocalStore(Store):
         except OSError as exc:
             raise StorageError(f"cannot delete: {exc}", path=path) from exc
 
+    def remove_empty_dirs(self) -> None:
+        if not self.root.is_dir():
+            return
+        for dirpath, _dirnames, _filenames in os.walk(self.root, topdown=False, followlinks=False):
+            try:
+                os.rmdir(dirpath)  # fails, harmlessly, on a directory that is not empty
+            except OSError:
+                pass
+
     def sync_dirs(self, paths: Iterable[str]) -> None:
         dirs = {self._full(p).parent for p in paths}
         for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import secrets
 from typing import Any
 
@@ -184,6 +185,25 @@ class FsspecStore(Store):
             if name.startswith(prefix) and info.get("type", "file") == "file":
                 out[name[len(prefix) :]] = int(info.get("size") or 0)
         return out
+
+    def pending_uploads(self) -> builtins.list[tuple[str, str]]:
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        try:
+            uploads = self.fs.list_multipart_uploads(bucket)
+        except Exception as exc:
+            raise self._wrap(exc, "", "listing multipart uploads") from exc
+        start = prefix + "/" if prefix else ""
+        return [(u["Key"][len(start) :], u["UploadId"]) for u in uploads if u["Key"].startswith(start)]
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        bucket, _, prefix = self.root.partition("/")
+        key = f"{prefix}/{path}" if prefix else path
+        try:
+            self.fs.abort_mpu(bucket, key, upload_id)
+        except Exception as exc:
+            raise self._wrap(exc, path, "aborting a multipart upload", writing=True) from exc
 
     def delete(self, path: str) -> None:
         try:

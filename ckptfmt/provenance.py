@@ -1,0 +1,54 @@
+"""Provenance of a training run: the code's git commit and dirty flag, software versions, host."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+from importlib import metadata
+
+from . import __version__
+
+
+def git_state(cwd: str | None = None) -> dict[str, object] | None:
+    """``{"commit", "dirty"}`` of the git repository around ``cwd``, or None when there is none (never raises)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if len(commit) not in (40, 64):
+        return None
+    return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def versions(*packages: str) -> dict[str, str]:
+    out = {"python": platform.python_version(), "ckptfmt": __version__}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def capture(*, step: int | None = None, parent: str | None = None, cwd: str | None = None) -> dict[str, object]:
+    """The caller-side provenance; the writer adds ``writer`` and ``created_at``."""
+    out: dict[str, object] = {"host": socket.gethostname(), "versions": versions("numpy", "torch")}
+    code = git_state(cwd)
+    if code is not None:
+        out["code"] = code
+    if step is not None:
+        out["step"] = step
+    if parent is not None:
+        out["parent"] = parent
+    return out

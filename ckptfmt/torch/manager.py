@@ -1,0 +1,237 @@
+"""The trainer's checkpoint manager: save by step, retention, restore the newest good one, async and preemption saves.
+
+Call sequence in a training loop::
+
+    mgr = CheckpointManager(run_url, keep_last=3, async_save=True)
+    step = mgr.restore_latest(model=m, optimizer=o, sampler=s) or 0
+    while step < total:
+        ...one optimizer step...; sampler.advance(batch_size); step += 1
+        mgr.checkpoint_if_due(step, every=100, model=m, optimizer=o, sampler=s, config=cfg)
+    mgr.wait()
+
+An async save snapshots the state into reusable host buffers on the caller's thread (the only
+part that stalls training), then writes in a background thread; at most one save is in flight, and
+a background failure is raised by the next call into the manager — never swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import FrameType
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..reader import open_checkpoint
+from ..run import RunDirectory, checkpoint_name
+from ..storage import open_store
+from ..writer import CheckpointWriter
+from . import api, state
+from .api import Policy
+from .state import HostBuffers, Snapshot
+
+log = logging.getLogger("ckptfmt")
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        run_url: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        on_mismatch: Policy = "warn",
+        preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,),
+        exit_on_preemption: bool = True,
+        verify_on_restore: bool = False,
+    ) -> None:
+        self.run = RunDirectory(run_url, storage_options)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.on_mismatch = on_mismatch
+        self.exit_on_preemption = exit_on_preemption
+        self.verify_on_restore = verify_on_restore
+        self.last_checkpoint_id: str | None = None
+        self._buffers = HostBuffers()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-async") if async_save else None
+        self._inflight: Future[str] | None = None
+        self._inflight_name: str | None = None
+        self._preempted = threading.Event()
+        self._previous_handlers: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in preemption_signals:
+                self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    # ---------------------------------------------------------------- preemption
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only set a flag: the step in progress finishes, then checkpoint_if_due saves and exits.
+        log.warning("signal %d received: an emergency checkpoint will be written after this step", signum)
+        self._preempted.set()
+
+    @property
+    def preempted(self) -> bool:
+        return self._preempted.is_set()
+
+    def request_preemption(self) -> None:
+        self._preempted.set()
+
+    def checkpoint_if_due(self, step: int, *, every: int, **state_objects: Any) -> bool:
+        """Save when ``step`` is a multiple of ``every``, or at once after a preemption signal.
+
+        After a preemption save the manager waits until it is durable and, unless told otherwise,
+        exits the process cleanly (``SystemExit(0)``).
+        """
+        preempted = self.preempted
+        if not preempted and step % every:
+            self._raise_background_error()
+            return False
+        self.save(step, **state_objects)
+        if preempted:
+            self.wait()
+            log.warning("emergency checkpoint at step %d is durable", step)
+            if self.exit_on_preemption:
+                self.close()
+                raise SystemExit(0)
+        return True
+
+    # ---------------------------------------------------------------- save
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: Any,
+        config: object,
+        **kwargs: Any,
+    ) -> None:
+        """Checkpoint the full training state at ``step`` (waits for a previous async save first)."""
+        self.wait()
+        snap = api.capture(
+            step=step,
+            model=model,
+            optimizer=optimizer,
+            sampler=sampler,
+            config=config,
+            parent=self.last_checkpoint_id,
+            buffers=self._buffers if self.async_save else None,
+            **kwargs,
+        )
+        name = checkpoint_name(step)
+        if self._pool is None:
+            self._persist(name, step, snap)
+            return
+        self._inflight_name = name
+        self._inflight = self._pool.submit(self._persist, name, step, snap)
+
+    def _persist(self, name: str, step: int, snap: Snapshot) -> str:
+        store = open_store(self.run.child_url(name), self.run.storage_options)
+        writer = CheckpointWriter(store, profile="training", overwrite=True)
+        try:
+            ckpt_id = state.write_snapshot(writer, snap)
+        except BaseException:
+            writer.abort()
+            raise
+        self.run.set_latest(name, step, ckpt_id)
+        self.last_checkpoint_id = ckpt_id
+        self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect={name})
+        return ckpt_id
+
+    def wait(self) -> str | None:
+        """Block until the save in flight is durable; raise its error if it failed."""
+        future, self._inflight = self._inflight, None
+        self._inflight_name = None
+        if future is None:
+            return self.last_checkpoint_id
+        return future.result()
+
+    def _raise_background_error(self) -> None:
+        if self._inflight is not None and self._inflight.done():
+            self.wait()
+
+    # ---------------------------------------------------------------- restore
+
+    def restore_latest(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        sampler: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        config: object = None,
+        generators: Any = None,
+    ) -> int | None:
+        """Resume from the newest checkpoint that is complete and verifies; returns its step, or None."""
+        self.wait()
+        for entry in self.run.entries():
+            if entry.status != "committed":
+                log.warning("skipping %s: %s", entry.name, entry.status)
+                continue
+            url = self.run.child_url(entry.name)
+            try:
+                with open_checkpoint(url, self.run.storage_options) as ckpt:
+                    if self.verify_on_restore:
+                        report = ckpt.verify()
+                        if not report.ok:
+                            log.warning("skipping %s: %s", entry.name, "; ".join(map(str, report.problems[:3])))
+                            continue
+                    restored = api.load_checkpoint(
+                        ckpt,
+                        model=model,
+                        optimizer=optimizer,
+                        sampler=sampler,
+                        scheduler=scheduler,
+                        scaler=scaler,
+                        config=config,
+                        generators=generators,
+                        on_mismatch=self.on_mismatch,
+                    )
+            except CheckpointError as exc:
+                if exc.code == "resume_mismatch":
+                    raise
+                log.warning("skipping %s: %s", entry.name, exc)
+                continue
+            self.last_checkpoint_id = restored.checkpoint_id
+            return restored.step if restored.step is not None else entry.step
+        return None
+
+    # ---------------------------------------------------------------- housekeeping
+
+    def pin(self, step: int) -> None:
+        self.run.set_pinned(self.run.pinned() | {checkpoint_name(step)})
+
+    def unpin(self, step: int) -> None:
+        self.run.set_pinned(self.run.pinned() - {checkpoint_name(step)})
+
+    def gc(self) -> list[str]:
+        protect = {self._inflight_name} if self._inflight_name else set()
+        return [e.name for e in self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)]
+
+    def close(self) -> None:
+        """Wait for the save in flight, stop the background thread, restore signal handlers."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+            self._previous_handlers.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,294 @@
+"""Shared fixtures: the storage backends every store test runs against, and checkpoint builders.
+
+Backends are a list of factories; a factory is a context manager that takes a fresh temporary
+directory and the requesting test's ``FixtureRequest`` (to reach a server fixture, say) and yields
+the URL of an empty checkpoint root, removing it afterwards. To run every ``store_url`` test
+against another backend (S3 through moto, say), append a ``Backend`` to ``BACKENDS``.
+
+Helpers are fixtures (``write_training``, ``write_weights``, ``fill_writer``, ``raw``) because
+pytest's importlib import mode does not put ``tests/`` on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptfmt
+from ckptfmt.digests import digest_of
+from ckptfmt.storage import Store
+
+# ---------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    factory: Callable[[Path, pytest.FixtureRequest], contextlib.AbstractContextManager[str]]
+    local: bool  # a POSIX file system (symlinks, fsync, hidden temp files)
+
+
+@contextlib.contextmanager
+def _local(tmp: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    yield str(tmp / "ckpt")
+
+
+@contextlib.contextmanager
+def _memory(tmp: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    import fsspec
+
+    root = f"/ckptfmt-tests-{uuid.uuid4().hex}"
+    yield f"memory://{root}/ckpt"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+BACKENDS: list[Backend] = [
+    Backend("local", _local, local=True),
+    Backend("memory", _memory, local=False),
+]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def store_url(backend: Backend, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The URL of an empty checkpoint root, once per backend in BACKENDS."""
+    with backend.factory(tmp_path, request) as url:
+        yield url
+
+
+@pytest.fixture
+def new_url(backend: Backend, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[[], str]]:
+    """Make more empty roots on the same backend as ``store_url`` (for tests that need two)."""
+    with contextlib.ExitStack() as stack:
+        counter = iter(range(1_000_000))
+
+        def make() -> str:
+            sub = tmp_path / f"extra{next(counter)}"
+            sub.mkdir()
+            return stack.enter_context(backend.factory(sub, request))
+
+        yield make
+
+
+@pytest.fixture
+def local_url(tmp_path: Path) -> str:
+    """A local checkpoint root, for tests of what only a POSIX file system has (symlinks, hidden temp files)."""
+    return str(tmp_path / "ckpt")
+
+
+# ---------------------------------------------------------------- checkpoint contents
+
+FIXED_PROVENANCE: dict[str, object] = {
+    "writer": {"name": "ckptfmt-tests", "version": "1"},
+    "created_at": "2026-01-02T03:04:05Z",
+    "host": "test-host",
+    "step": 100,
+}
+
+
+def training_contents(seed: int = 0) -> dict[str, Any]:
+    """A small but complete set of the seven training fields."""
+    rng = np.random.default_rng(seed)
+    return {
+        "weights": {
+            "layer0.w": rng.standard_normal((4, 3)).astype(np.float32),
+            "layer0.b": rng.standard_normal(3).astype(np.float32),
+        },
+        "optimizer": {
+            "layer0.w.exp_avg": rng.standard_normal((4, 3)).astype(np.float32),
+            "step": np.array(7, dtype=np.int64),
+        },
+        "optimizer_context": {"param_groups": [{"lr": 0.001, "params": ["layer0.w", "layer0.b"]}]},
+        "rng": {"generators": {"numpy": {"kind": "numpy.bit_generator", "state": np.random.PCG64(seed).state}}},
+        "data": {"epoch": 1, "global_sample_offset": 4096, "shard_offsets": {"shard-0": 12}},
+        "config": {"model": {"layers": 1, "hidden": 3}, "lr": 0.001, "seed": seed},
+        "topology": {"world_size": 1, "rank": 0},
+        "provenance": dict(FIXED_PROVENANCE),
+    }
+
+
+TRAINING_FIELDS = ("weights", "optimizer", "rng", "data", "config", "topology", "provenance")
+WEIGHTS_FIELDS = ("weights", "provenance")
+
+
+def write_training_into(w: ckptfmt.CheckpointWriter, *, omit: tuple[str, ...] = (), seed: int = 0) -> None:
+    """Write the seven training fields (minus ``omit``) into an open writer, without committing."""
+    c = training_contents(seed)
+    if "weights" not in omit:
+        w.write_tensors("weights", c["weights"])
+    if "optimizer" not in omit:
+        w.write_tensors("optimizer", c["optimizer"])
+        w.write_context("optimizer", c["optimizer_context"])
+    for name in ("rng", "data", "topology", "provenance"):
+        if name not in omit:
+            w.write_context(name, c[name])
+    if "config" not in omit:
+        w.write_config(c["config"])
+
+
+def fill_writer_into(
+    w: ckptfmt.CheckpointWriter, *, profile: str = "training", omit: tuple[str, ...] = (), seed: int = 0
+) -> None:
+    """Write every field ``profile`` requires (minus ``omit``) into an open writer, without committing."""
+    if profile == "training":
+        write_training_into(w, omit=omit, seed=seed)
+        return
+    c = training_contents(seed)
+    if "weights" not in omit:
+        w.write_tensors("weights", c["weights"])
+    if "provenance" not in omit:
+        w.write_context("provenance", c["provenance"])
+
+
+@pytest.fixture
+def fill_writer() -> Callable[..., None]:
+    """``fill_writer(w, profile="training", omit=(), seed=0)``: the profile's fields into an open writer."""
+    return fill_writer_into
+
+
+def _write_training(url: str, *, omit: tuple[str, ...] = (), seed: int = 0, **options: Any) -> str:
+    with ckptfmt.open_writer(url, profile="training", **options) as w:
+        write_training_into(w, omit=omit, seed=seed)
+    assert w.checkpoint_id is not None
+    return w.checkpoint_id
+
+
+def _write_weights(
+    url: str, tensors: Mapping[str, object] | None = None, *, field: str = "weights", **options: Any
+) -> str:
+    if tensors is None:
+        tensors = training_contents()["weights"]
+    with ckptfmt.open_writer(url, profile="weights", **options) as w:
+        if field != "weights":
+            w.write_tensors("weights", {})
+        w.write_tensors(field, tensors)
+        w.write_context("provenance", FIXED_PROVENANCE)
+    assert w.checkpoint_id is not None
+    return w.checkpoint_id
+
+
+@pytest.fixture
+def write_training() -> Callable[..., str]:
+    """``write_training(url, omit=(), seed=0, **open_writer_options)`` -> checkpoint id."""
+    return _write_training
+
+
+@pytest.fixture
+def write_weights() -> Callable[..., str]:
+    """``write_weights(url, tensors=None, field="weights", **open_writer_options)`` -> checkpoint id."""
+    return _write_weights
+
+
+# ---------------------------------------------------------------- raw access, for tampering
+
+
+def raw_files(url: str) -> dict[str, bytes]:
+    """Every file under the root (hidden ones included) and its bytes."""
+    store = ckptfmt.open_store(url)
+    return {path: store.read(path) for path in sorted(store.list())}
+
+
+def put_raw(url: str, path: str, data: bytes) -> None:
+    """Replace (or create) one file's bytes, leaving the manifest as it is."""
+    out = ckptfmt.open_store(url).create(path)
+    out.write(data)
+    out.commit()
+
+
+def delete_raw(url: str, path: str) -> None:
+    ckptfmt.open_store(url).delete(path)
+
+
+def read_manifest_doc(url: str) -> dict[str, Any]:
+    return json.loads(ckptfmt.open_store(url).read("manifest.json"))  # type: ignore[no-any-return]
+
+
+def write_manifest_doc(url: str, doc: object, *, canonical: bool = True) -> None:
+    """Replace manifest.json with ``doc`` (a dict, or already-encoded bytes)."""
+    if isinstance(doc, bytes):
+        data = doc
+    elif canonical:
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    else:
+        data = json.dumps(doc, indent=2).encode()
+    store: Store = ckptfmt.open_store(url)
+    store.delete("manifest.json")
+    store.put_exclusive("manifest.json", data)
+
+
+def edit_manifest_doc(url: str, edit: Callable[[dict[str, Any]], object]) -> None:
+    """Apply ``edit`` (which mutates the parsed manifest in place) and store the result."""
+    doc = read_manifest_doc(url)
+    edit(doc)
+    write_manifest_doc(url, doc)
+
+
+def forge_file(url: str, path: str, data: bytes) -> None:
+    """Replace a file and update its size and digest in the manifest, as a writer with a bug would."""
+    put_raw(url, path, data)
+
+    def edit(doc: dict[str, Any]) -> None:
+        for record in doc["files"]:
+            if record["path"] == path:
+                record["size"] = len(data)
+                record["digest"] = digest_of(record["digest"].partition(":")[0], data)
+                return
+        raise AssertionError(f"{path} not in the manifest")
+
+    edit_manifest_doc(url, edit)
+
+
+def data_files(url: str, field: str) -> list[str]:
+    """The data files of one field, from the manifest."""
+    ckpt = ckptfmt.open(url)
+    return sorted({c.path for t in ckpt.fields[field].tensors.values() for c in t.chunks})
+
+
+@dataclass(frozen=True)
+class Raw:
+    """The raw-access helpers, as one fixture."""
+
+    files = staticmethod(raw_files)
+    put = staticmethod(put_raw)
+    delete = staticmethod(delete_raw)
+    manifest = staticmethod(read_manifest_doc)
+    write_manifest = staticmethod(write_manifest_doc)
+    edit_manifest = staticmethod(edit_manifest_doc)
+    forge = staticmethod(forge_file)
+    data_files = staticmethod(data_files)
+
+
+@pytest.fixture
+def raw() -> Raw:
+    return Raw()
+
+
+def bits(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The array's little-endian C-order bytes (so NaNs and -0.0 compare by bit pattern)."""
+    a = array.astype(array.dtype.newbyteorder("<"), copy=False) if array.dtype.byteorder == ">" else array
+    return np.frombuffer(np.ascontiguousarray(a).tobytes(), dtype=np.uint8)
+
+
+def assert_same_bits(actual: np.ndarray[Any, Any], expected: np.ndarray[Any, Any]) -> None:
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype.newbyteorder("<") or actual.dtype == expected.dtype
+    assert np.array_equal(bits(actual), bits(expected))
+
+
+@pytest.fixture
+def same_bits() -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
+    return assert_same_bits
