@@ -136,7 +136,7 @@ class CountingProxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                dst.sendall(data)
+                # count before forwarding: a reader that has its bytes always sees them counted
                 with self._lock:
                     if upstream:
                         self.sent_to_server += len(data)
@@ -147,6 +147,7 @@ class CountingProxy:
                     self.cut_after = None
                     self.cut()
                     break
+                dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
