@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -103,10 +104,28 @@ def check_data(value: Mapping[str, object]) -> None:
     )
 
 
+def _is_json(value: object) -> bool:
+    """Nil, bool, int in the msgpack range, finite float, str, array and map only: no bin, no ext (FLD-7)."""
+    if isinstance(value, np.generic):  # a writer's config may hold numpy scalars; they encode as their item
+        value = value.item()
+    if value is None or isinstance(value, (bool, str)):
+        return True
+    if isinstance(value, int):
+        return -(1 << 63) <= value < (1 << 64)  # outside: decoded from a bigint ext value
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_is_json(v) for v in value.values())
+    return False  # bytes (bin), numpy arrays (ndarray ext)
+
+
 def check_config(value: Mapping[str, object]) -> None:
     config = value.get("config")
     stored = value.get("hash")
     _require(isinstance(config, dict), "config", "'config' must be a map")
+    _require(_is_json(config), "config", "'config' must hold no bin, no ext value and no NaN or infinity")
     _require(isinstance(stored, str), "config", "'hash' must be a string 'sha256:<hex>'")
     actual = config_hash(config)
     if actual != stored:

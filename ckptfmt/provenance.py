@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import socket
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 
 from . import __version__
@@ -41,12 +42,23 @@ def versions(*packages: str) -> dict[str, str]:
     return out
 
 
-def capture(*, step: int | None = None, parent: str | None = None, cwd: str | None = None) -> dict[str, object]:
-    """The caller-side provenance; the writer adds ``writer`` and ``created_at``."""
+def capture(
+    *,
+    step: int | None = None,
+    parent: str | None = None,
+    cwd: str | None = None,
+    code: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """The caller-side provenance; the writer adds ``writer`` and ``created_at``.
+
+    ``code`` is the code state when the caller already knows it (a checkpoint manager looks it up
+    once, when training starts; an empty map means "no repository"); None looks it up now.
+    """
     out: dict[str, object] = {"host": socket.gethostname(), "versions": versions("numpy", "torch")}
-    code = git_state(cwd)
-    if code is not None:
-        out["code"] = code
+    if code is None:
+        code = git_state(cwd)
+    if code:
+        out["code"] = dict(code)
     if step is not None:
         out["step"] = step
     if parent is not None:

@@ -27,12 +27,23 @@ LATEST_NAME = "latest.json"
 PINS_NAME = "pins.json"
 _STEP = re.compile(r"(\d+)$")
 Status = Literal["committed", "incomplete", "writing", "invalid manifest"]
+# A file the reference writer puts in a checkpoint: how an uncommitted one is told from any other directory.
+_LAYOUT = re.compile(r"[a-z][a-z0-9_]{0,63}/(\.?r\d{5}-\d{5}\.safetensors(\.tmp-[0-9a-f]+)?|\.?context\.msgpack.*)")
 # A writer lock from another host is presumed live for this long: its holder's pid cannot be checked from here.
 DEFAULT_STALE_AFTER_S = 24 * 3600
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def is_checkpoint_dir(files: Iterable[str]) -> bool:
+    """Whether a child of a run directory is a checkpoint or the remains of one (paths relative to it).
+
+    It is when it has a manifest, a writer lock, or a file laid out as the writer lays them out; any
+    other directory (logs, say) is not the run's to list or delete.
+    """
+    return any(p in (MANIFEST_NAME, LOCK_NAME) or _LAYOUT.fullmatch(p) for p in files)
 
 
 def step_of(name: str) -> int | None:
@@ -50,8 +61,9 @@ class Entry:
     size: int
     files: int
     checkpoint_id: str | None = None
+    profile: str | None = None
     created: str | None = None
-    error: str | None = None
+    error: dict[str, str] | None = None  # CheckpointError.to_dict(): why the manifest or provenance is unreadable
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,17 +73,25 @@ class Entry:
             "size": self.size,
             "files": self.files,
             "checkpoint_id": self.checkpoint_id,
+            "profile": self.profile,
             "created": self.created,
             "error": self.error,
         }
 
 
 def _lock_is_live(store: Store, prefix: str, stale_after_s: float) -> bool:
-    """Whether a writer may still be working on ``prefix`` (never presume another host's lock dead early)."""
+    """Whether a writer may still be working on ``prefix``.
+
+    As spec/commit.md: a lock is dead only when it names this host and no process with its pid runs
+    here. A lock of another host counts as live until ``stale_after_s`` after its ``started_at``; a lock
+    that cannot be read or says neither counts as live (an operator removes it), never as dead.
+    """
     try:
         info = json.loads(store.read(f"{prefix}/{LOCK_NAME}"))
     except (CheckpointError, ValueError):
-        return False
+        return True
+    if not isinstance(info, dict):
+        return True
     if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
         try:
             os.kill(info["pid"], 0)
@@ -114,7 +134,8 @@ class RunDirectory:
                 groups.setdefault(head, {})[rest] = size
         out = []
         for name, files in groups.items():
-            out.append(self._entry(name, files))
+            if is_checkpoint_dir(files):
+                out.append(self._entry(name, files))
         out.sort(key=lambda e: (e.step if e.step is not None else -1, e.name), reverse=True)
         return out
 
@@ -124,25 +145,32 @@ class RunDirectory:
         if MANIFEST_NAME not in files:
             live = LOCK_NAME in files and _lock_is_live(self.store, name, self.stale_after_s)
             return Entry(status="writing" if live else "incomplete", **common)  # type: ignore[arg-type]
+        from .reader import open_checkpoint
+
         try:
             data = self.store.read(f"{name}/{MANIFEST_NAME}")
-            parse_manifest(data)
+            manifest = parse_manifest(data)  # what every reader checks before it trusts a manifest
         except CheckpointError as exc:
-            return Entry(status="invalid manifest", error=str(exc), **common)  # type: ignore[arg-type]
-        created = None
+            return Entry(status="invalid manifest", error=exc.to_dict(), **common)  # type: ignore[arg-type]
+        created, error = None, None
         try:
-            from .reader import open_checkpoint
-
             with open_checkpoint(self.child_url(name), self.storage_options) as ckpt:
                 value = ckpt.read_context("provenance") if "provenance" in ckpt.fields else {}
-                stamp = value.get("created_at")
-                created = stamp if isinstance(stamp, str) else None
-                step = value.get("step")
-                if isinstance(step, int):
-                    common["step"] = step
-        except CheckpointError:
-            pass
-        return Entry(status="committed", checkpoint_id=checkpoint_id(data), created=created, **common)  # type: ignore[arg-type]
+            stamp = value.get("created_at")
+            created = stamp if isinstance(stamp, str) else None
+            step = value.get("step")
+            if type(step) is int:
+                common["step"] = step
+        except CheckpointError as exc:
+            error = exc.to_dict()  # committed, but its provenance could not be read
+        return Entry(
+            status="committed",
+            checkpoint_id=checkpoint_id(data),
+            profile=manifest.profile,
+            created=created,
+            error=error,
+            **common,  # type: ignore[arg-type]
+        )
 
     # ---------------------------------------------------------------- latest and pins
 
@@ -194,7 +222,8 @@ class RunDirectory:
         entries: list[Entry] | None = None,
     ) -> list[Entry]:
         """What retention deletes: committed checkpoints outside keep_last/keep_every/pins/latest, and the
-        remains of dead writers. Never a checkpoint a live writer holds, nor one in ``protect``."""
+        remains of dead writers. Never a checkpoint a live writer holds, one whose manifest is invalid,
+        nor one in ``protect``. ``keep_last`` counts committed checkpoints from the highest step down."""
         entries = self.entries() if entries is None else entries
         keep = set(protect) | self.pinned()
         latest = self.latest()
@@ -207,7 +236,9 @@ class RunDirectory:
             keep.update(e.name for e in committed if e.step is not None and e.step % keep_every == 0)
         doomed = []
         for entry in entries:
-            if entry.name in keep or entry.status == "writing":
+            # An unreadable manifest is not a crash's remains (the manifest is written last, checked): it is
+            # corrupt or from a newer format version, and deleting it is an operator's call.
+            if entry.name in keep or entry.status in ("writing", "invalid manifest"):
                 continue
             if entry.status == "committed" and keep_last is None:
                 continue  # no retention rule given: gc removes only the remains of dead writers

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
-# The main job: write, inspect, verify and reload a realistic checkpoint on local disk (./demo-out).
+# The main demo, on local disk (./story-out): train, get SIGKILLed, resume, `ckpt verify`, and `ckpt diff`
+# against an uninterrupted run. The format demo (write, inspect, verify, reload) is examples/demo.py.
 source "$(dirname "$0")/bootstrap.sh" test
-exec python examples/demo.py "${1:-demo-out}"
+exec python examples/story.py "${1:-story-out}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +15,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import RUNNERS, edit_manifest, keys_of, run_cli, write_training
 
 ENTRY_KEYS = ("name", "url", "step", "created", "size", "status", "checkpoint_id", "profile", "error")
+
+
+def dead_writer_lock() -> dict[str, object]:
+    """The lock a writer on this host leaves when it is killed: its pid no longer runs."""
+    pid = subprocess.Popen([sys.executable, "-c", "pass"])
+    pid.wait()
+    return {"host": socket.gethostname(), "pid": pid.pid, "nonce": "0", "started_at": "2026-01-02T03:04:05Z"}
 
 
 @pytest.fixture
@@ -24,7 +34,7 @@ def run_dir(tmp_path: Path) -> Path:
     crashed = run / "step_000300"
     (crashed / "weights").mkdir(parents=True)
     (crashed / "weights" / "r00000-00000.safetensors").write_bytes(b"x" * 10)
-    (crashed / ".writer-lock").write_text("{}")
+    (crashed / ".writer-lock").write_text(json.dumps(dead_writer_lock()))
     # a committed checkpoint whose manifest is broken
     write_training(str(run / "broken-400"), step=400)
     (run / "broken-400" / "manifest.json").write_text("{not json")
@@ -55,7 +65,7 @@ def test_json_lists_newest_first_with_status(run_dir: Path, runner: str) -> None
     assert by_name["step_000300"]["status"] == "incomplete" and by_name["step_000300"]["step"] == 300
     assert by_name["broken-400"]["status"] == "invalid manifest" and by_name["broken-400"]["step"] == 400
     assert by_name["broken-400"]["error"]["code"] == "invalid_manifest"
-    assert by_name["step_000300"]["size"] == 12
+    assert by_name["step_000300"]["size"] == 10 + (run_dir / "step_000300" / ".writer-lock").stat().st_size
     # the committed ones carry the provenance time (2026-01-02), the others their files' mtime (2027)
     assert [e["name"] for e in entries] == ["step_000300", "broken-400", "ckpt-b", "ckpt-a"]
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import provenance as prov
+from ..canonical import canonical_json
 from ..errors import ResumeMismatchError, UsageError
 from ..reader import Checkpoint, open_checkpoint
 from ..storage import open_store
@@ -72,8 +73,12 @@ def capture(
     mesh: Mapping[str, int] | None = None,
     parent: str | None = None,
     buffers: HostBuffers | None = None,
+    code: Mapping[str, object] | None = None,
 ) -> Snapshot:
-    """Snapshot all seven fields (plus scheduler, scaler and extras) into host memory."""
+    """Snapshot all seven fields (plus scheduler, scaler and extras) into host memory.
+
+    ``code``: the training code's git state if already known (see :func:`ckptfmt.provenance.capture`).
+    """
     snap = Snapshot()
     state.capture_model(model, snap, buffers)
     state.capture_optimizer(optimizer, snap, buffers)
@@ -81,7 +86,7 @@ def capture(
     snap.contexts["data"] = _data_field(sampler)
     snap.contexts["config"] = state.config_field(config)
     snap.contexts["topology"] = topology(mesh)
-    snap.contexts["provenance"] = prov.capture(step=step, parent=parent)
+    snap.contexts["provenance"] = prov.capture(step=step, parent=parent, code=code)
     if scheduler is not None:
         state.capture_stateful("scheduler", scheduler, snap)
     if scaler is not None:
@@ -123,7 +128,12 @@ def compare(snap: Snapshot, *, config: object = None, sampler: Any = None, cwd: 
         current = state.config_field(config)["hash"]
         if stored != current:
             ours, theirs = state.config_field(config)["config"], snap.contexts["config"].get("config", {})
-            keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            # compared as canonical JSON, as the hash is: a tuple now and the list it was stored as are equal
+            keys = sorted(
+                k
+                for k in set(ours) | set(theirs)
+                if k not in ours or k not in theirs or canonical_json(ours[k]) != canonical_json(theirs[k])
+            )
             out.append(f"config hash {stored} in the checkpoint, {current} now (differing keys: {', '.join(keys)})")
     code = snap.contexts["provenance"].get("code")
     now = prov.git_state(cwd)
@@ -165,9 +175,17 @@ def apply(
         rng.restore(snap.contexts["rng"], generators)
 
 
-def load_checkpoint(
-    ckpt: Checkpoint,
+def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
+    """Resume from an open checkpoint: read and verify every field, then compare and apply (see :func:`restore`)."""
+    snap = state.read_snapshot(ckpt)  # everything read and verified before anything is applied
+    return restore(snap, checkpoint_id=ckpt.id, url=ckpt.url, **kwargs)
+
+
+def restore(
+    snap: Snapshot,
     *,
+    checkpoint_id: str,
+    url: str,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     sampler: Any = None,
@@ -179,12 +197,15 @@ def load_checkpoint(
     restore_rng: bool = True,
     skip_fields: Sequence[str] = (),
 ) -> Restored:
-    snap = state.read_snapshot(ckpt)  # everything read and verified before anything is applied
+    """Compare a verified snapshot with the current run (``on_mismatch``), then apply it to the live objects.
+
+    ``skip_fields`` (``rng``, ``data``, ``optimizer``) are left out of the apply.
+    """
     mismatches = compare(snap, config=config, sampler=sampler)
     if mismatches:
-        message = f"resuming {ckpt.url} under a different run: " + "; ".join(mismatches)
+        message = f"resuming {url} under a different run: " + "; ".join(mismatches)
         if on_mismatch == "strict":
-            raise ResumeMismatchError(message, path=ckpt.url)
+            raise ResumeMismatchError(message, path=url)
         if on_mismatch == "warn":
             log.warning(message)
     apply(
@@ -199,7 +220,7 @@ def load_checkpoint(
     )
     step = snap.contexts["provenance"].get("step")
     return Restored(
-        step=step if isinstance(step, int) else None, checkpoint_id=ckpt.id, url=ckpt.url, mismatches=tuple(mismatches)
+        step=step if isinstance(step, int) else None, checkpoint_id=checkpoint_id, url=url, mismatches=tuple(mismatches)
     )
 
 

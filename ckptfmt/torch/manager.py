@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import provenance as prov
 from ..errors import CheckpointError
 from ..reader import open_checkpoint
 from ..run import RunDirectory, checkpoint_name
@@ -61,6 +62,8 @@ class CheckpointManager:
         self.exit_on_preemption = exit_on_preemption
         self.verify_on_restore = verify_on_restore
         self.last_checkpoint_id: str | None = None
+        # The code that runs is the code at start: look its git state up once, not on every (stalling) save.
+        self._code: dict[str, object] = prov.git_state() or {}
         self._buffers = HostBuffers()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-async") if async_save else None
         self._inflight: Future[str] | None = None
@@ -126,6 +129,7 @@ class CheckpointManager:
             config=config,
             parent=self.last_checkpoint_id,
             buffers=self._buffers if self.async_save else None,
+            code=self._code,
             **kwargs,
         )
         name = checkpoint_name(step)
@@ -172,14 +176,22 @@ class CheckpointManager:
         scaler: Any = None,
         config: object = None,
         generators: Any = None,
+        skip_fields: Sequence[str] = (),
     ) -> int | None:
-        """Resume from the newest checkpoint that is complete and verifies; returns its step, or None."""
+        """Resume from the newest checkpoint that is complete and verifies; returns its step, or None.
+
+        ``skip_fields`` (``rng``, ``data``, ``optimizer``) are read and verified but not applied, e.g. to
+        fine-tune with a fresh optimizer, or as a negative control showing that a resume needs them.
+        """
         self.wait()
         for entry in self.run.entries():
             if entry.status != "committed":
                 log.warning("skipping %s: %s", entry.name, entry.status)
                 continue
             url = self.run.child_url(entry.name)
+            # Only a checkpoint that cannot be read or verified is skipped. Once it is in memory, verified,
+            # a refusal to apply it (a mismatch under "strict", a sampler with another seed) is the caller's
+            # to see: falling back to an older checkpoint, or to none, would silently train something else.
             try:
                 with open_checkpoint(url, self.run.storage_options) as ckpt:
                     if self.verify_on_restore:
@@ -187,22 +199,25 @@ class CheckpointManager:
                         if not report.ok:
                             log.warning("skipping %s: %s", entry.name, "; ".join(map(str, report.problems[:3])))
                             continue
-                    restored = api.load_checkpoint(
-                        ckpt,
-                        model=model,
-                        optimizer=optimizer,
-                        sampler=sampler,
-                        scheduler=scheduler,
-                        scaler=scaler,
-                        config=config,
-                        generators=generators,
-                        on_mismatch=self.on_mismatch,
-                    )
+                    snap = state.read_snapshot(ckpt)
+                    ckpt_id, ckpt_url = ckpt.id, ckpt.url
             except CheckpointError as exc:
-                if exc.code == "resume_mismatch":
-                    raise
                 log.warning("skipping %s: %s", entry.name, exc)
                 continue
+            restored = api.restore(
+                snap,
+                checkpoint_id=ckpt_id,
+                url=ckpt_url,
+                model=model,
+                optimizer=optimizer,
+                sampler=sampler,
+                scheduler=scheduler,
+                scaler=scaler,
+                config=config,
+                generators=generators,
+                on_mismatch=self.on_mismatch,
+                skip_fields=skip_fields,
+            )
             self.last_checkpoint_id = restored.checkpoint_id
             return restored.step if restored.step is not None else entry.step
         return None

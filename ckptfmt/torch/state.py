@@ -136,7 +136,8 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
         _, pid, key = name.split(".", 2)
         state.setdefault(int(pid), {})[key] = to_torch(array, _dtype_name(array))
     for pid, entries in context.get("scalars", {}).items():
-        state.setdefault(int(pid), {}).update(entries)
+        # non-tensor state may hold tensors inside lists (LBFGS's history): they come back as tensors
+        state.setdefault(int(pid), {}).update(_torchify(entries))
     optimizer.load_state_dict({"state": state, "param_groups": _groups(context["param_groups"])})
 
 

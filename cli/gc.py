@@ -1,0 +1,65 @@
+"""``ckpt gc RUN_URL``: delete what falls out of retention and what crashed writers left, by RunDirectory's rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ckptfmt.run import RunDirectory
+
+from .errors import reports_errors
+from .ls import check_run_dir
+from .options import json_output, storage_options
+from .output import emit_json, human_bytes, info
+
+
+@click.command("gc")
+@click.argument("run_url")
+@click.option(
+    "--keep-last", type=click.IntRange(min=1), metavar="N", help="Keep the N committed checkpoints of highest step."
+)
+@click.option(
+    "--keep-every",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Also keep every committed checkpoint whose step is a multiple of N.",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@storage_options
+@json_output
+@reports_errors
+def gc_cmd(
+    run_url: str,
+    keep_last: int | None,
+    keep_every: int | None,
+    dry_run: bool,
+    storage_options: dict[str, Any],
+    as_json: bool,
+) -> None:
+    """Delete checkpoints of the run directory RUN_URL that retention no longer keeps.
+
+    Always deleted: incomplete checkpoints whose writer is gone. With --keep-last, also committed
+    checkpoints beyond the N newest (by step), except multiples of --keep-every, pinned ones and the
+    one `latest` points to. Never deleted: a checkpoint a live writer holds, or one whose manifest is
+    invalid. The same rules as `ckpt ls` and the trainer's CheckpointManager.
+    """
+    check_run_dir(run_url, storage_options)
+    run = RunDirectory(run_url, storage_options)
+    doomed = run.gc(keep_last=keep_last, keep_every=keep_every, dry_run=dry_run)
+    kept = [e for e in run.entries() if e.name not in {d.name for d in doomed}]
+    if as_json:
+        emit_json(
+            {
+                "url": run_url,
+                "dry_run": dry_run,
+                "deleted": [{"name": e.name, "step": e.step, "status": e.status, "size": e.size} for e in doomed],
+                "kept": [{"name": e.name, "step": e.step, "status": e.status} for e in kept],
+            }
+        )
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for e in doomed:
+        click.echo(f"{verb} {e.name} ({e.status}, {human_bytes(e.size)})")
+    freed = sum(e.size for e in doomed)
+    info(f"{len(doomed)} checkpoint(s) {verb}, {human_bytes(freed)}; {len(kept)} kept")

@@ -1,0 +1,280 @@
+"""A small but real trainer that checkpoints through ckptfmt's CheckpointManager and resumes bit for bit.
+
+    python examples/train.py --run-dir runs/tiny --steps 24 --every 4
+        [--async] [--threads N] [--workers N] [--withhold {rng,data,optimizer}]
+        [--kill-after-checkpoint-step N] [--losses-out FILE] [--step-sleep SECONDS]
+
+A one-block GPT-style language model (token and position embeddings, causal self-attention, an MLP,
+dropout, a head tied to the embedding) learns a synthetic, seeded Markov-chain language. Batches come
+from a shuffling :class:`ResumableSampler` through a torch ``DataLoader`` (``--workers`` > 0 uses worker
+processes); a numpy ``Generator`` corrupts a few input tokens per batch, so data order, dropout and
+the augmentation all draw on state that a checkpoint must carry. AdamW with a warmup-then-cosine
+learning rate. Started again with the same ``--run-dir``, it resumes from the newest good checkpoint.
+
+Test hooks: ``--kill-after-checkpoint-step N`` SIGKILLs the process as soon as the checkpoint at
+step N is durable; ``--withhold FIELD`` resumes without that field (a negative control: the resumed
+run must then diverge); ``--step-sleep`` makes each step slow enough to be interrupted mid-step;
+``--losses-out`` records every step's loss (rewritten atomically after each step, so it survives
+a SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableSampler
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides the numbers a run produces (operational flags such as --threads are not here)."""
+
+    seed: int = 1234
+    vocab: int = 32
+    context: int = 16
+    d_model: int = 32
+    dropout: float = 0.1
+    samples: int = 256
+    shard_size: int = 32
+    batch_size: int = 16
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 4
+    steps: int = 24
+    augment_prob: float = 0.05
+
+
+# ---------------------------------------------------------------- data
+
+
+class MarkovText(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``samples`` token sequences drawn from a seeded random Markov chain; item i is (tokens, next tokens)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        gen = np.random.default_rng([cfg.seed, 0xDA7A])
+        transitions = gen.dirichlet(np.full(cfg.vocab, 0.2), size=cfg.vocab)
+        seqs = np.empty((cfg.samples, cfg.context + 1), dtype=np.int64)
+        seqs[:, 0] = gen.integers(0, cfg.vocab, cfg.samples)
+        for t in range(1, cfg.context + 1):
+            u = gen.random(cfg.samples)[:, None]
+            seqs[:, t] = (np.cumsum(transitions[seqs[:, t - 1]], axis=1) < u).sum(axis=1).clip(0, cfg.vocab - 1)
+        self.data = torch.from_numpy(seqs)
+        self.identity = DatasetIdentity(
+            name="markov-text",
+            version=f"seed={cfg.seed},vocab={cfg.vocab},context={cfg.context}",
+            shards=tuple(f"shard-{i:03d}" for i in range(math.ceil(cfg.samples / cfg.shard_size))),
+        )
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = self.data[index]
+        return seq[:-1], seq[1:]
+
+
+# ---------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+        self.attn_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        t = x.shape[1]
+        scores = (q @ k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        x = x + self.proj(self.attn_drop(scores.softmax(-1)) @ v)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Parameter(torch.zeros(cfg.context, cfg.d_model))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.block = Block(cfg.d_model, cfg.dropout)
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: stored once in the checkpoint
+        nn.init.normal_(self.embed.weight, std=0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.embed(tokens) + self.pos[: tokens.shape[1]])
+        return self.head(self.ln(self.block(x)))
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    model: TinyGPT
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.SequentialLR
+    sampler: ResumableSampler
+    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]]
+    augment: np.random.Generator
+
+    def state(self) -> dict[str, Any]:
+        """What the manager saves and restores: the seven fields plus the scheduler."""
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "sampler": self.sampler,
+            "generators": {"augment": self.augment},
+        }
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless batches; each pass over the loader starts where the sampler's position is."""
+        while True:
+            yield from self.loader
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, sleep: float = 0.0) -> float:
+        mask = torch.from_numpy(self.augment.random(tuple(inputs.shape)) < self.cfg.augment_prob)
+        noise = torch.from_numpy(self.augment.integers(0, self.cfg.vocab, tuple(inputs.shape)))
+        inputs = torch.where(mask, noise, inputs)
+        self.model.train()
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if sleep:
+            time.sleep(sleep)  # a slow step, so a signal can land in the middle of one
+        nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.sampler.advance(len(inputs))  # the position moves by what was consumed, not what was prefetched
+        return float(loss.item())
+
+
+def build(cfg: TrainConfig, *, workers: int = 0) -> Trainer:
+    """A fresh trainer: every generator seeded from ``cfg.seed``, as a new process would have it."""
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+    dataset = MarkovText(cfg)
+    model = TinyGPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=cfg.warmup_steps)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, cfg.steps - cfg.warmup_steps))
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[cfg.warmup_steps])
+    sampler = ResumableSampler(
+        len(dataset), seed=cfg.seed, shuffle=True, shard_size=cfg.shard_size, dataset=dataset.identity
+    )
+    # The loader gets its own generator: by default each new loader iterator draws its workers' base seed
+    # from torch's global generator, and a resumed run creates its iterator at a different step.
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,  # duck-typed: any iterable of indices with __len__
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    augment = np.random.default_rng([cfg.seed, 0xA06])
+    return Trainer(cfg, model, optimizer, scheduler, sampler, loader, augment)
+
+
+class LossLog:
+    """Per-step losses as JSON, rewritten atomically after every step (so a SIGKILL leaves a valid file)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        self.losses: list[list[float]] = []
+
+    def add(self, step: int, loss: float) -> None:
+        self.losses.append([step, loss])
+        if self.path is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"losses": self.losses}))
+            os.replace(tmp, self.path)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", required=True, help="run directory (local path or fsspec URL)")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps, help="total optimizer steps of the run")
+    p.add_argument("--every", type=int, default=4, help="checkpoint every this many steps")
+    p.add_argument("--async", dest="async_save", action="store_true", help="persist checkpoints in the background")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument(
+        "--threads-at",
+        metavar="STEP:N",
+        help="switch to N torch threads once STEP steps are done (a reference for resuming under another count)",
+    )
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--withhold", choices=["rng", "data", "optimizer"], help="resume without this field")
+    p.add_argument("--kill-after-checkpoint-step", type=int, metavar="N", help="SIGKILL self once step N is durable")
+    p.add_argument("--losses-out", metavar="FILE", help="write per-step losses as JSON")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS", help="sleep inside each step")
+    p.add_argument("--quiet", action="store_true", help="no per-step output")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    cfg = TrainConfig(steps=args.steps)
+    trainer = build(cfg, workers=args.workers)
+    log = LossLog(args.losses_out)
+    mgr = CheckpointManager(args.run_dir, keep_last=args.keep_last, async_save=args.async_save)
+    skip = (args.withhold,) if args.withhold else ()
+    step = mgr.restore_latest(**trainer.state(), config=cfg, skip_fields=skip) or 0
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    say(f"{'resumed at' if step else 'starting at'} step {step} (threads={args.threads}, workers={args.workers})")
+    batches = trainer.batches()
+    saved_at = step
+    switch_step, switch_threads = (int(v) for v in args.threads_at.split(":")) if args.threads_at else (-1, 0)
+    while step < cfg.steps:
+        if step == switch_step:
+            torch.set_num_threads(switch_threads)
+        inputs, targets = next(batches)
+        loss = trainer.step(inputs, targets, sleep=args.step_sleep)
+        step += 1
+        log.add(step, loss)
+        say(f"step {step} loss {loss:.6f}")
+        if mgr.checkpoint_if_due(step, every=args.every, **trainer.state(), config=cfg):
+            saved_at = step
+            if step == args.kill_after_checkpoint_step:
+                mgr.wait()  # durable first: the point is to be killed *after* a checkpoint
+                say(f"checkpoint at step {step} is durable; SIGKILL")
+                os.kill(os.getpid(), signal.SIGKILL)
+    if saved_at != step:
+        mgr.save(step, **trainer.state(), config=cfg)  # the final state, so runs can be diffed
+    mgr.close()
+    say(f"done at step {step}; latest checkpoint {mgr.last_checkpoint_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

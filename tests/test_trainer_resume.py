@@ -1,0 +1,196 @@
+"""A resumed run is the same run: examples/train.py killed (SIGKILL, SIGTERM) and resumed in a fresh process
+reproduces an uninterrupted run bit for bit; withholding the RNG, data position or optimizer state breaks it.
+
+Every run here is a real subprocess. The run is STEPS = 2N = 24 optimizer steps, checkpoints every 4,
+SIGKILL right after the checkpoint at step N = 12 is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import ckptfmt
+from ckptfmt.run import RunDirectory, checkpoint_name
+
+TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+CKPT = Path(sys.executable).parent / "ckpt"
+STEPS, KILL, EVERY = 24, 12, 4
+FINAL = checkpoint_name(STEPS)
+
+
+@dataclass(frozen=True)
+class Run:
+    run_dir: Path
+    losses: list[list[float]]  # [step, loss] for the steps this process ran
+    proc: subprocess.CompletedProcess[str]
+
+
+def train(run_dir: Path, *args: str, name: str = "losses", check: bool = True) -> Run:
+    losses_file = run_dir.parent / f"{run_dir.name}-{name}.json"
+    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
+    proc = subprocess.run(
+        [*cmd, "--losses-out", str(losses_file), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    losses = json.loads(losses_file.read_text())["losses"] if losses_file.exists() else []
+    return Run(run_dir, losses, proc)
+
+
+def killed(run_dir: Path, *args: str) -> Run:
+    run = train(run_dir, "--kill-after-checkpoint-step", str(KILL), *args, name="killed", check=False)
+    assert run.proc.returncode == -signal.SIGKILL, run.proc.stderr
+    assert [s for s, _ in run.losses] == list(range(1, KILL + 1))
+    latest = RunDirectory(run_dir).latest()
+    assert latest is not None and latest["step"] == KILL  # the checkpoint was durable before the kill
+    return run
+
+
+def resumed_copy(base: Run, dest: Path, *args: str) -> Run:
+    """Resume a copy of ``base``'s run directory, so one killed run serves several resumes."""
+    shutil.copytree(base.run_dir, dest)
+    run = train(dest, *args, name="resumed")
+    assert run.proc.stdout.startswith(f"resumed at step {KILL}"), run.proc.stdout
+    return run
+
+
+def ckpt_diff(a: Path, b: Path, *ignore: str) -> subprocess.CompletedProcess[str]:
+    args = [arg for glob in ("provenance", *ignore) for arg in ("--ignore", glob)]
+    return subprocess.run(
+        [str(CKPT), "diff", str(a / FINAL), str(b / FINAL), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    """Final weights and optimizer state bit-identical (tensors and context), and ``ckpt diff`` agrees."""
+    with ckptfmt.open(str(a / FINAL)) as ca, ckptfmt.open(str(b / FINAL)) as cb:
+        for field in ("weights", "optimizer"):
+            ta, tb = ca.read_tensors(field), cb.read_tensors(field)
+            assert set(ta) == set(tb)
+            for name in ta:
+                assert ta[name].dtype == tb[name].dtype and ta[name].tobytes() == tb[name].tobytes(), name
+        for field in ("optimizer", "scheduler", "data", "config"):
+            assert json.dumps(ca.read_context(field), default=str) == json.dumps(cb.read_context(field), default=str)
+    diff = ckpt_diff(a, b)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    assert json.loads(diff.stdout)["identical"] is True
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trainer")
+
+
+@pytest.fixture(scope="module")
+def reference(work: Path) -> Run:
+    """The uninterrupted run: 24 steps, one process, no DataLoader workers."""
+    run = train(work / "reference")
+    assert [s for s, _ in run.losses] == list(range(1, STEPS + 1))
+    return run
+
+
+@pytest.fixture(scope="module")
+def killed_run(work: Path) -> Run:
+    """12 steps with two DataLoader workers prefetching, then SIGKILL right after the step-12 checkpoint."""
+    return killed(work / "killed", "--workers", "2")
+
+
+def test_sigkill_and_resume_is_bit_identical(reference: Run, killed_run: Run, work: Path) -> None:
+    resumed = resumed_copy(killed_run, work / "resumed", "--workers", "2")
+    assert killed_run.losses + resumed.losses == reference.losses  # every step's loss, bit for bit
+    assert_same_state(reference.run_dir, resumed.run_dir)
+    verify = subprocess.run(
+        [str(CKPT), "verify", str(resumed.run_dir / FINAL)], capture_output=True, text=True, check=False
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    provenance = ckptfmt.open(str(resumed.run_dir / checkpoint_name(16))).read_context("provenance")
+    assert provenance["parent"] == ckptfmt.open(str(killed_run.run_dir / checkpoint_name(KILL))).id
+
+
+@pytest.mark.parametrize(
+    ("withheld", "first_divergent_step"),
+    [("rng", KILL + 1), ("data", KILL + 1), ("optimizer", KILL + 2)],
+)
+def test_negative_controls_detect_a_withheld_field(
+    reference: Run, killed_run: Run, work: Path, withheld: str, first_divergent_step: int
+) -> None:
+    """The comparison can fail: resuming without one field diverges, and both the losses and ckpt diff show it."""
+    resumed = resumed_copy(killed_run, work / f"withheld-{withheld}", "--withhold", withheld)
+    losses = killed_run.losses + resumed.losses
+    assert [s for s, _ in losses] == [s for s, _ in reference.losses]
+    differing = [s for (s, a), (_, b) in zip(losses, reference.losses, strict=True) if a != b]
+    # dropout masks / batches differ at once; fresh AdamW moments first change the update after the next loss
+    assert differing and differing[0] == first_divergent_step
+    diff = ckpt_diff(reference.run_dir, resumed.run_dir)
+    assert diff.returncode == 1, diff.stdout + diff.stderr
+    doc = json.loads(diff.stdout)
+    changed = {t["field"] for t in doc["tensors"]["changed"]}
+    assert {"weights", "optimizer"} <= changed
+    if withheld == "data":
+        assert any(c["field"] == "data" for c in doc["context"])  # the position itself differs too
+
+
+def test_resume_under_another_thread_count(work: Path) -> None:
+    """Checkpoint written with 2 torch threads, resumed with 1.
+
+    torch's CPU kernels are not bit-identical across thread counts (matmul and reduction splits change
+    the rounding), so 2N steps on 1 thread is not the reference. The reference is one uninterrupted
+    process that switches from 2 threads to 1 after step N: the same kernels on the same steps, so any
+    difference comes from the checkpoint and restart alone.
+    """
+    reference = train(work / "threads-reference", "--threads", "2", "--threads-at", f"{KILL}:1")
+    first = killed(work / "threads", "--threads", "2")
+    resumed = train(work / "threads", "--threads", "1", name="resumed")
+    assert first.losses + resumed.losses == reference.losses
+    assert_same_state(reference.run_dir, resumed.run_dir)
+    topology = ckptfmt.open(str(first.run_dir / checkpoint_name(16))).read_context("topology")
+    assert topology["threads"] == 1
+
+
+def test_sigterm_mid_training_saves_exits_and_resumes(reference: Run, work: Path) -> None:
+    """SIGTERM lands inside a step: the step finishes, an emergency checkpoint is written, the process exits 0."""
+    run_dir = work / "sigterm"
+    losses_file = work / "sigterm-first.json"
+    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
+    proc = subprocess.Popen(
+        [*cmd, "--losses-out", str(losses_file), "--step-sleep", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 5 "):
+            proc.send_signal(signal.SIGTERM)  # the process is now sleeping inside step 6
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    first = json.loads(losses_file.read_text())["losses"]
+    stopped = first[-1][0]
+    assert 6 <= stopped < STEPS  # mid-training, not at the end
+    assert "emergency checkpoint" in err
+    latest = RunDirectory(run_dir).latest()
+    assert latest is not None and latest["step"] == stopped  # the step in progress finished and was saved
+    resumed = train(run_dir, name="resumed")
+    assert resumed.proc.stdout.startswith(f"resumed at step {stopped}")
+    assert first + resumed.losses == reference.losses
+    assert_same_state(reference.run_dir, run_dir)
+
+
+def test_async_saves_give_the_same_run(reference: Run, work: Path) -> None:
+    first = killed(work / "async", "--async")
+    resumed = train(work / "async", "--async", name="resumed")
+    assert first.losses + resumed.losses == reference.losses
+    assert_same_state(reference.run_dir, resumed.run_dir)
