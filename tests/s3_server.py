@@ -123,6 +123,10 @@ class CountingProxy:
         self._cut.clear()
 
     @property
+    def is_cut(self) -> bool:
+        return self._cut.is_set()
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

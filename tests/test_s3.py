@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,12 +15,10 @@ from ckptfmt.storage import open_store, remote
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    server.start()
-    yield server
-    server.kill()
+@pytest.fixture
+def moto(moto_server: MotoServer) -> MotoServer:
+    """The session's server (conftest.py)."""
+    return moto_server
 
 
 @pytest.fixture
