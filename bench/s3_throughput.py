@@ -5,8 +5,8 @@
 Starts moto's S3 server on 127.0.0.1 itself (tests/s3_server.py), so it needs nothing but the test
 extras. The same bytes go both ways: ckptfmt writes --size-mib of float32 tensors into --files data
 files (multipart uploads in 64 MiB parts, two files at a time) and commits; s3fs uploads blobs of the
-same sizes with one ``fs.pipe({path: bytes})`` (all files at once). Reads: ckptfmt ``read_tensor`` of
-every tensor (ranged GETs, one tensor at a time) against ``fs.cat([paths])`` (all files at once) and
+same sizes with one ``fs.pipe({path: bytes})`` (all files at once). Reads: ckptfmt ``read_tensors`` of
+every tensor (ranged GETs, four in flight) against ``fs.cat([paths])`` (all files at once) and
 ``fs.cat_file`` one file after another, and ``fs.cat_file(start=, end=)`` of the same byte ranges
 ckptfmt reads, one after another (moto serves a ranged GET by reading the whole object, so ranged
 reads are slower there than whole files; on S3 they are not). Reported: MB/s, median of --repeat runs, and the ratio
@@ -106,8 +106,7 @@ def main() -> None:
 
             def read(url: str = url) -> None:
                 with ckptfmt.open(url, storage_options=opts) as ckpt:
-                    for name in tensors:
-                        ckpt.read_tensor("weights", name)
+                    ckpt.read_tensors("weights")
 
             times["ckptfmt read"].append(timed(read))
             with ckptfmt.open(url, storage_options=opts) as ckpt:
