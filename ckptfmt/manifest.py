@@ -261,6 +261,8 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
                 f"extension {name!r} is marked must_understand and this reader does not implement it"
             )
         config = raw.get("configuration")
+        if config is not None:
+            config = _obj(config, "extension 'configuration'")  # MAN-7: its type is object
         out.append(Extension(name=name, must_understand=must, configuration=config))
     return tuple(out)
 
@@ -454,7 +456,11 @@ def parse_manifest(data: bytes) -> Manifest:
         # Fast path: a canonical manifest (as writers must write, MAN-1) re-serializes to its own bytes,
         # which proves no member name was duplicated; anything else is parsed again, checking each object.
         doc = json.loads(text, parse_float=_no_float, parse_constant=_no_float)
-        if type(doc) is not dict or manifest_bytes(doc) != data:
+        try:
+            canonical = type(doc) is dict and manifest_bytes(doc) == data
+        except UnicodeEncodeError:  # a "\ud800" escape decodes to a lone surrogate, which is no canonical text
+            canonical = False
+        if not canonical:
             doc = json.loads(
                 text, object_pairs_hook=_reject_duplicate_keys, parse_float=_no_float, parse_constant=_no_float
             )

@@ -79,8 +79,8 @@ def parse_header(header: bytes, file_size: int, path: str) -> dict[str, HeaderEn
         raise SafetensorsHeaderError(f"header is not valid UTF-8 JSON: {exc}", path=path) from exc
     if not isinstance(table, dict):
         raise SafetensorsHeaderError("header is not a JSON object", path=path)
-    meta = table.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+    meta = table.pop("__metadata__", {})  # present as null is not absent (SAF-12)
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise SafetensorsHeaderError("__metadata__ must map strings to strings", path=path)
     entries: dict[str, HeaderEntry] = {}
     for key, info in table.items():

@@ -53,8 +53,8 @@ def float_text(value: float) -> str:
 
 def array_description(array: np.ndarray[Any, Any]) -> dict[str, object]:
     """dtype, shape and the SHA-256 of the little-endian C-order bytes of an array."""
-    data = np.ascontiguousarray(array)
-    return {"dtype": from_numpy(data.dtype), "shape": list(data.shape), "digest": sha256(data.tobytes())}
+    data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes(order="C")
+    return {"dtype": from_numpy(array.dtype), "shape": list(array.shape), "digest": sha256(data)}
 
 
 def context_json(value: object) -> object:

@@ -1,0 +1,85 @@
+"""``python -m conformance generate``: write every vector from the declarative tables, deterministically.
+
+Valid vectors come from conformance/valid.py, invalid ones from conformance/invalid_*.py, writer
+scenarios from conformance/scenarios.py. Everything written is canonical JSON or the reference
+writer's (deterministic) output, so generating twice gives byte-identical trees.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.cli.dump import describe  # type: ignore[import-not-found,unused-ignore]  # see README, "Typing"
+
+from ckptfmt.canonical import canonical_json
+
+from .inputs import training_base, weights_base
+from .invalid_context import VECTORS as CONTEXT_VECTORS
+from .invalid_manifest import VECTORS as MANIFEST_VECTORS
+from .invalid_tensors import VECTORS as TENSOR_VECTORS
+from .mutations import Tree
+from .reference_writer import write
+from .scenarios import SCENARIOS
+from .valid import VALID
+from .values import expected_description, load
+
+INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS)
+BASES = {"weights": weights_base, "training-minimal": training_base}
+
+
+def _normalized(doc: dict[str, Any]) -> dict[str, Any]:
+    """The input as a writer reads it back from its canonical JSON file."""
+    return load(canonical_json(doc))
+
+
+def _json(path: Path, value: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(canonical_json(value))
+
+
+def generate(out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    for spec in VALID:
+        target = out / "valid" / spec.name
+        doc = _normalized(spec.input())
+        write(doc, target / "checkpoint")
+        if spec.post is not None:
+            spec.post(Tree(target / "checkpoint"))
+        got = describe(target / "checkpoint")
+        want = expected_description(doc)
+        if spec.expect is not None:
+            spec.expect(want)
+        if canonical_json(got) != canonical_json(want):
+            raise AssertionError(f"valid vector {spec.name}: the reference reader returns other content")
+        _json(target / "expected.json", got)
+        _json(
+            target / "about.json", {"note": spec.note, "outcome": "accepted", "requirements": list(spec.requirements)}
+        )
+        if spec.writer:
+            _json(target / "writer-input.json", doc)
+    for inv in INVALID:
+        target = out / "invalid" / inv.name
+        write(_normalized(BASES[inv.base]()), target / "checkpoint")
+        inv.mutate(Tree(target / "checkpoint"))
+        expected: dict[str, Any] = {
+            "base": inv.base,
+            "note": inv.note,
+            "outcome": "rejected",
+            "requirements": list(inv.requirements),
+            "scope": inv.scope,
+        }
+        if inv.also:
+            expected["also"] = list(inv.also)
+        _json(target / "expected.json", expected)
+    for sc in SCENARIOS:
+        target = out / "writer" / sc.name
+        if sc.setup is not None:
+            sc.setup(target / "setup")
+        _json(target / "writer-input.json", _normalized(sc.input()))
+        _json(
+            target / "expected.json",
+            {"after": sc.after, "note": sc.note, "outcome": "refused", "requirements": list(sc.requirements)},
+        )

@@ -1,0 +1,357 @@
+"""Invalid vectors about context blobs, profiles and standard fields (spec/context.md, fields.md).
+
+Helpers and the record type are in conformance/invalid.py.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from .edits import NOTES, blob, config, context, delete, fixmap, packb, set_
+from .invalid import GOOD_NDARRAY, IN_RANGE, NOT_MINIMAL, PROV_REF, Invalid, deep, nd, ndarray_ext
+
+VECTORS: tuple[Invalid, ...] = (
+    # ---- context blobs
+    Invalid("ctx-not-map", ("CTX-1",), "The notes blob is an array.", blob(NOTES, packb([1, 2])), scope="blob"),
+    Invalid(
+        "ctx-trailing-bytes",
+        ("CTX-2",),
+        "A nil after the top-level map.",
+        blob(NOTES, packb({"text": "hello"}) + b"\xc0"),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ext-unknown",
+        ("CTX-3",),
+        "An ext type 5 value.",
+        blob(NOTES, fixmap((packb("x"), b"\xd5\x05ab"))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ext-timestamp",
+        ("CTX-3",),
+        "An ext type -1 (timestamp) value.",
+        blob(NOTES, fixmap((packb("t"), b"\xd6\xff\x00\x00\x00\x00"))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-str-not-utf8",
+        ("CTX-4",),
+        "A str value holding ff fe.",
+        blob(NOTES, fixmap((packb("s"), b"\xa2\xff\xfe"))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-key-not-utf8",
+        ("CTX-4",),
+        "A map key holding ff.",
+        blob(NOTES, fixmap((b"\xa1\xff", packb(1)))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-key-not-str",
+        ("CTX-5",),
+        "A map key that is the int 1.",
+        blob(NOTES, fixmap((packb(1), packb("x")))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-key-bin",
+        ("CTX-5",),
+        "A map key that is a bin.",
+        blob(NOTES, fixmap((b"\xc4\x01k", packb("x")))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-duplicate-key",
+        ("CTX-6",),
+        "The key 'a' twice, with the same value.",
+        blob(NOTES, fixmap((packb("a"), packb(1)), (packb("a"), packb(1)))),
+        scope="blob",
+    ),
+    Invalid("ctx-too-deep", ("CTX-7",), "A value at depth 65.", blob(NOTES, packb({"deep": deep(63)})), scope="blob"),
+    Invalid(
+        "ctx-bigint-not-minimal",
+        ("CTX-11",),
+        "2^64 as a 10-byte bigint payload.",
+        blob(NOTES, fixmap((packb("n"), NOT_MINIMAL))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-bigint-in-range",
+        ("CTX-11",),
+        "2^63, which is a msgpack int, as a bigint.",
+        blob(NOTES, fixmap((packb("n"), IN_RANGE))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-bigint-empty",
+        ("CTX-11",),
+        "A bigint with an empty payload.",
+        blob(NOTES, fixmap((packb("n"), b"\xc7\x00\x01"))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ndarray-two-elements",
+        ("CTX-12",),
+        "An ndarray payload of two elements.",
+        blob(NOTES, fixmap((packb("a"), nd(GOOD_NDARRAY[:2])))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ndarray-dtype-unknown",
+        ("CTX-12",),
+        "An ndarray of dtype 'F4'.",
+        blob(NOTES, fixmap((packb("a"), nd([b"F4", [1], b"\x01"])))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ndarray-length",
+        ("CTX-12",),
+        "A U32 [2] ndarray holding 4 bytes.",
+        blob(NOTES, fixmap((packb("a"), nd([b"U32", [2], b"\x01\x00\x00\x00"])))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ndarray-trailing",
+        ("CTX-12",),
+        "An ndarray payload with a byte after its array.",
+        blob(NOTES, fixmap((packb("a"), ndarray_ext(msgpack.packb(GOOD_NDARRAY) + b"\xc0")))),
+        scope="blob",
+    ),
+    # ---- profiles and standard fields
+    Invalid("profile-unknown", ("PRO-1",), "profile 'inference'.", set_(("profile",), "inference")),
+    Invalid(
+        "profile-field-missing",
+        ("PRO-3",),
+        "A training checkpoint without topology (its blob stays listed).",
+        delete(("fields", "topology")),
+        base="training-minimal",
+    ),
+    Invalid(
+        "profile-field-wrong-kind",
+        ("PRO-3",),
+        "provenance is a tensors field (with its blob as the field's context).",
+        set_(("fields", "provenance"), {"kind": "tensors", "tensors": {}, **PROV_REF}),
+    ),
+    Invalid("rng-no-generators", ("FLD-2",), "rng is {}.", context("rng", {}), base="training-minimal", scope="blob"),
+    Invalid(
+        "rng-generators-not-map",
+        ("FLD-2",),
+        "rng generators is an array.",
+        context("rng", {"generators": []}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-generator-no-kind",
+        ("FLD-3",),
+        "A generator record without kind.",
+        context("rng", {"generators": {"g": {"state": 1}}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-generator-no-state",
+        ("FLD-4",),
+        "A generator record without state.",
+        context("rng", {"generators": {"g": {"kind": "org.example.rng"}}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-python-short",
+        ("RNG-1",),
+        "python.random state with 624 internal ints.",
+        context("rng", {"generators": {"python": {"kind": "python.random", "state": [3, [0] * 624, None]}}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-numpy-legacy-key",
+        ("RNG-2",),
+        "numpy.random_state key of shape [623].",
+        context(
+            "rng",
+            {
+                "generators": {
+                    "np": {
+                        "kind": "numpy.random_state",
+                        "state": {
+                            "algorithm": "MT19937",
+                            "key": {"$ndarray": {"dtype": "U32", "shape": [623], "data": "00" * 4 * 623}},
+                            "pos": 0,
+                            "has_gauss": 0,
+                            "cached_gaussian": {"$float": "0"},
+                        },
+                    }
+                }
+            },
+        ),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-bit-generator-unnamed",
+        ("RNG-3",),
+        "numpy.bit_generator state without bit_generator.",
+        context("rng", {"generators": {"g": {"kind": "numpy.bit_generator", "state": {"state": {}}}}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-torch-cpu-bin",
+        ("RNG-4",),
+        "torch.cpu state as a bin, not an ndarray.",
+        context("rng", {"generators": {"t": {"kind": "torch.cpu", "state": {"$bin": "0001"}}}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "rng-torch-cuda-no-device",
+        ("RNG-5",),
+        "torch.cuda without device.",
+        context(
+            "rng",
+            {
+                "generators": {
+                    "t": {"kind": "torch.cuda", "state": {"$ndarray": {"dtype": "U8", "shape": [2], "data": "0001"}}}
+                }
+            },
+        ),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "data-epoch-missing",
+        ("FLD-5",),
+        "data without epoch.",
+        context("data", {"global_sample_offset": 0}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "data-epoch-negative",
+        ("FLD-5",),
+        "data epoch -1.",
+        context("data", {"epoch": -1, "global_sample_offset": 0}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "data-offset-missing",
+        ("FLD-6",),
+        "data without global_sample_offset.",
+        context("data", {"epoch": 0}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "data-offset-float",
+        ("FLD-6",),
+        "data global_sample_offset 3.0 (a float).",
+        context("data", {"epoch": 0, "global_sample_offset": {"$float": "3"}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid("config-not-map", ("FLD-7",), "config is an array.", config([1, 2]), base="training-minimal", scope="blob"),
+    Invalid(
+        "config-bin",
+        ("FLD-7",),
+        "config holds a bin.",
+        config({"k": {"$bin": "00"}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "config-bigint",
+        ("FLD-7",),
+        "config holds a bigint (ext type 1); the hash is that of its decimal value.",
+        config({"k": {"$bigint": str(1 << 64)}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "config-ndarray",
+        ("FLD-7",),
+        "config holds a 0-d ndarray (ext type 2); the hash is that of its value.",
+        config({"k": {"$ndarray": {"dtype": "I64", "shape": [], "data": "0100000000000000"}}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "config-nan",
+        ("FLD-7",),
+        "config holds NaN.",
+        config({"k": {"$float": "NaN"}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "config-hash-missing",
+        ("FLD-8",),
+        "config without hash.",
+        context("config", {"config": {"seed": 0}}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "config-hash-mismatch",
+        ("FLD-9",),
+        "The config changed, the hash did not (the blob's digest is right).",
+        config({"lr": {"$float": "0.001"}, "seed": 1}, "sha256:" + "0" * 64),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "topology-world-size-missing",
+        ("FLD-10",),
+        "topology without world_size.",
+        context("topology", {"rank": 0}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "topology-world-size-zero",
+        ("FLD-10",),
+        "topology world_size 0.",
+        context("topology", {"world_size": 0}),
+        base="training-minimal",
+        scope="blob",
+    ),
+    Invalid(
+        "provenance-writer-missing",
+        ("FLD-11",),
+        "provenance without writer.",
+        context("provenance", {"created_at": "2025-01-01T00:00:00Z"}),
+        scope="blob",
+    ),
+    Invalid(
+        "provenance-writer-no-version",
+        ("FLD-11",),
+        "provenance writer without version.",
+        context("provenance", {"created_at": "2025-01-01T00:00:00Z", "writer": {"name": "x"}}),
+        scope="blob",
+    ),
+    Invalid(
+        "provenance-created-at-offset",
+        ("FLD-12",),
+        "created_at with offset +00:00.",
+        context("provenance", {"created_at": "2025-01-01T00:00:00+00:00", "writer": {"name": "x", "version": "1"}}),
+        scope="blob",
+    ),
+    Invalid(
+        "provenance-created-at-lowercase",
+        ("FLD-12",),
+        "created_at with lowercase t and z.",
+        context("provenance", {"created_at": "2025-01-01t00:00:00z", "writer": {"name": "x", "version": "1"}}),
+        scope="blob",
+    ),
+    Invalid(
+        "provenance-created-at-month-13",
+        ("FLD-12",),
+        "created_at in month 13.",
+        context("provenance", {"created_at": "2025-13-01T00:00:00Z", "writer": {"name": "x", "version": "1"}}),
+        scope="blob",
+    ),
+)

@@ -1,0 +1,514 @@
+"""The valid vectors: writer inputs and the post-processing that turns a written checkpoint into each vector.
+
+A valid vector is the reference writer's output for its input, optionally transformed by ``post``
+in a way that keeps it valid (renamed files, extra keys, a re-serialized manifest...). Vectors
+with ``writer=True`` also ship their writer input, for ``run --writer``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.digests import digest_of
+
+from . import edits
+from .edits import DATA, NOTES, packb
+from .inputs import (
+    config_blob,
+    document,
+    f,
+    integer,
+    ndarray,
+    provenance,
+    rng_states,
+    tensor,
+    training_base,
+    weights_base,
+)
+from .mutations import Json, Tree
+
+
+@dataclass(frozen=True)
+class Valid:
+    name: str
+    requirements: tuple[str, ...]
+    note: str
+    input: Callable[[], dict[str, Any]]
+    post: Callable[[Tree], None] | None = None
+    writer: bool = True
+    expect: Callable[[dict[str, Any]], None] | None = None  # how ``post`` changes the description
+
+
+def _rows(n_rows: int, sizes: list[int], width: int) -> list[dict[str, Any]]:
+    out, start = [], 0
+    for rank, size in enumerate(sizes):
+        out.append({"rank": rank, "offsets": [start, 0], "shape": [size, width]})
+        start += size
+    assert start == n_rows
+    return out
+
+
+def dtypes_all() -> dict[str, Any]:
+    from ckptfmt.dtypes import DTYPES
+
+    tensors = {f"t_{name.lower()}": tensor(name, [2, 3], seed=i) for i, name in enumerate(DTYPES)}
+    tensors |= {
+        "scalar_f64": tensor("F64", [], seed=50),
+        "scalar_bool": tensor("BOOL", [], seed=51),
+        "empty_i32": tensor("I32", [0], seed=52),
+        "empty_bf16": tensor("BF16", [3, 0, 2], seed=53),
+        "vector_c64": tensor("C64", [5], seed=54),
+    }
+    return document("weights", {"weights": {"kind": "tensors", "tensors": tensors}, "provenance": provenance()})
+
+
+def training_full() -> dict[str, Any]:
+    return document(
+        "training",
+        {
+            "weights": {
+                "kind": "tensors",
+                "tensors": {"embed": tensor("BF16", [4, 3]), "layer0.w": tensor("F32", [3, 3], seed=1)},
+            },
+            "optimizer": {
+                "kind": "tensors",
+                "tensors": {"layer0.w.exp_avg": tensor("F32", [3, 3], seed=2), "step": tensor("I64", [], seed=3)},
+                "context": {"param_groups": [{"betas": [f(0.9), f(0.95)], "lr": f(0.0003), "weight_decay": f(0.1)}]},
+            },
+            "rng": {"kind": "context", "context": rng_states()},
+            "data": {
+                "kind": "context",
+                "context": {
+                    "dataset": {"name": "toy", "version": "1"},
+                    "epoch": 1,
+                    "global_sample_offset": 12345,
+                    "quarantined_shards": ["shard-9"],
+                    "sampler": {"seed": 0},
+                    "shard_offsets": {"shard-0": 10},
+                },
+            },
+            "config": {
+                "kind": "context",
+                "context": config_blob(
+                    {
+                        "model": {"d_model": 2, "n_layers": 1, "vocab": 4},
+                        "optim": {"lr": f(0.0003), "name": "adamw"},
+                        "seed": 0,
+                    }
+                ),
+            },
+            "topology": {
+                "kind": "context",
+                "context": {"mesh": {"dims": ["dp", "tp"], "shape": [2, 2]}, "rank": 0, "world_size": 4},
+            },
+            "provenance": provenance(
+                code={"commit": "0" * 40, "dirty": False, "repository": "https://example.org/run"},
+                step=100,
+                versions={"numpy": "2"},
+            ),
+        },
+    )
+
+
+def multi_file() -> dict[str, Any]:
+    tensors = {f"layer{i}.w": tensor("F32", [4, 4], seed=i) for i in range(5)}
+    return document(
+        "weights",
+        {"weights": {"kind": "tensors", "tensors": tensors}, "provenance": provenance()},
+        target_file_size=64,
+    )
+
+
+def sharded_even() -> dict[str, Any]:
+    cols = [{"rank": r, "offsets": [0, 2 * r], "shape": [4, 2]} for r in range(4)]
+    return document(
+        "weights",
+        {
+            "weights": {
+                "kind": "tensors",
+                "tensors": {
+                    "rows": tensor("F32", [8, 4], chunks=_rows(8, [2, 2, 2, 2], 4)),
+                    "cols": tensor("I32", [4, 8], seed=1, chunks=cols),
+                },
+            },
+            "provenance": provenance(),
+        },
+    )
+
+
+def sharded_uneven() -> dict[str, Any]:
+    grid = [
+        {"rank": 0, "offsets": [0, 0], "shape": [3, 4]},
+        {"rank": 1, "offsets": [0, 4], "shape": [3, 3]},
+        {"rank": 2, "offsets": [3, 0], "shape": [2, 4]},
+        {"rank": 3, "offsets": [3, 4], "shape": [2, 3]},
+    ]
+    partial = [{"rank": 0, "offsets": [0], "shape": [5]}, {"rank": 2, "offsets": [5], "shape": [2]}]
+    return document(
+        "weights",
+        {
+            "weights": {
+                "kind": "tensors",
+                "tensors": {
+                    "rows": tensor("F32", [10, 3], chunks=_rows(10, [4, 3, 3], 3)),
+                    "grid": tensor("F16", [5, 7], seed=1, chunks=grid),
+                    "two_ranks": tensor("U8", [7], seed=2, chunks=partial),
+                    "replica": tensor("BF16", [2, 2], seed=3),
+                },
+            },
+            "provenance": provenance(),
+        },
+    )
+
+
+def extra_fields() -> dict[str, Any]:
+    return document(
+        "weights",
+        {
+            "weights": {"kind": "tensors", "tensors": {"w": tensor("F32", [2, 2])}, "context": {"note": "tied"}},
+            "ema": {"kind": "tensors", "tensors": {"w": tensor("F32", [2, 2], seed=1)}},
+            "empty": {"kind": "tensors", "tensors": {}},
+            "tokenizer": {"kind": "tensors", "tensors": {}, "context": {"vocab": ["a", "b"]}},
+            "scheduler": {"kind": "context", "context": {"last_lr": f(0.5), "step": 10}},
+            "provenance": provenance(),
+        },
+        metadata={"run": "conformance", "ünï": "ç✓"},
+    )
+
+
+def _deep(levels: int) -> object:
+    value: object = 0
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def context_values() -> dict[str, Any]:
+    state = {
+        "nil": None,
+        "bools": [True, False],
+        "ints": [0, -1, 127, -32, 255, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1],
+        "bigints": [integer(v) for v in (1 << 64, -(1 << 63) - 1, (1 << 127) + 1, -(1 << 127))],
+        "floats": [f(v) for v in (0.1, -0.0, 1.0, 1e21, 5e-324, float("nan"), float("inf"), float("-inf"))],
+        "strs": ["", "é\u2028", "\U0001f600", "tab\there"],
+        "bins": [{"$bin": ""}, {"$bin": "00ff10"}],
+        "arrays": {
+            "mask": ndarray(np.array([1, 2, 0xDEADBEEF], dtype=np.uint32)),
+            "scalar": ndarray(np.array(2.5, dtype=np.float64)),
+            "bool": ndarray(np.array([True, False, True])),
+            "empty": ndarray(np.zeros((0, 2), dtype=np.int8)),
+        },
+        "maps": {"": {}, "nested": {"a": {"b": []}}, "tagged": {"$map": {"$bin": "not a bin"}}},
+        "deep": _deep(62),  # its innermost value has depth 64, the deepest allowed (CTX-7)
+    }
+    return document(
+        "weights",
+        {
+            "weights": {"kind": "tensors", "tensors": {}},
+            "state": {"kind": "context", "context": state},
+            "provenance": provenance(),
+        },
+    )
+
+
+def config_hash_examples() -> dict[str, Any]:
+    floats = [1.0, 2.5, -1.5, -0.0, 0.1, 0.30000000000000004, 0.0003, 1.5e-06, 1e-06, 1e-07, 1.23e-18, 5e-324]
+    floats += [1e20, 1e21, 1.7976931348623157e308, 9.223372036854776e18]
+    config = {
+        "floats": [f(v) for v in floats],
+        "ints": [9223372036854775808, 18446744073709551615, -9223372036854775808, 9007199254740993],
+        "strings": ["tab\there", 'q"b\\/', "\x01\x1f\x7f", "é\u2028"],
+        "order": {"\ue000": 1, "\U0001f600": 2, "b": 1, "a": 2},
+        "mixed": [1, f(2.5), None, True],
+        "empty": {},
+    }
+    return document(
+        "weights",
+        {
+            "weights": {"kind": "tensors", "tensors": {}},
+            "config": {"kind": "context", "context": config_blob(config)},
+            "provenance": provenance(),
+        },
+    )
+
+
+def tensor_names() -> dict[str, Any]:
+    halves = [{"rank": 0, "offsets": [0], "shape": [2]}, {"rank": 0, "offsets": [2], "shape": [2]}]
+    names = {"layer.0/w": 0, "ünïcödé ✓": 1, "t@0": 2, "sp ace": 3, "__metadata": 4, "x" * 1024: 5}
+    tensors = {name: tensor("F32", [2], seed=seed) for name, seed in names.items()}
+    tensors["t"] = tensor("F32", [4], seed=6, chunks=halves)  # its first chunk's key is "t@0", like the tensor above
+    return document("weights", {"weights": {"kind": "tensors", "tensors": tensors}, "provenance": provenance()})
+
+
+def context_encodings() -> dict[str, Any]:
+    return document(
+        "weights",
+        {
+            "weights": {"kind": "tensors", "tensors": {}},
+            "state": {"kind": "context", "context": {}},
+            "provenance": provenance(),
+        },
+    )
+
+
+# ---------------------------------------------------------------- post-processing
+
+
+def as_ranks(tree: Tree) -> None:
+    """Rename ``<field>/r00000-0000K.safetensors`` (one flush per rank) to ``<field>/r0000K-00000.safetensors``."""
+    for record in tree.manifest()["files"]:
+        m = re.fullmatch(r"(\w+)/r00000-(\d{5})\.safetensors", record["path"])
+        if m and m.group(2) != "00000":
+            tree.move(record["path"], f"{m.group(1)}/r{m.group(2)}-00000.safetensors")
+
+
+def unknown_keys(doc: Json) -> None:
+    doc["x-top"] = {"a": [1, {"b": True}]}
+    doc["extensions"] = [{"name": "org.example.note", "must_understand": False, "configuration": {"a": 1}, "x-ext": 1}]
+    for record in doc["files"]:
+        record["x-file"] = 1
+    doc["fields"]["notes"]["context"]["x-context"] = "c"
+    weights = doc["fields"]["weights"]
+    weights["x-field"] = True
+    for tensor_record in weights["tensors"].values():
+        tensor_record["x-tensor"] = "t"
+        for chunk in tensor_record["chunks"]:
+            chunk["x-chunk"] = {}
+            chunk["codec"]["configuration"] = {"ignored": 1}  # raw takes none; readers ignore it
+            chunk["codec"]["x-codec"] = 1
+
+
+def _reverse_keys(value: Json) -> Json:
+    if isinstance(value, dict):
+        return {k: _reverse_keys(value[k]) for k in sorted(value, reverse=True)}
+    if isinstance(value, list):
+        return [_reverse_keys(v) for v in value]
+    return value
+
+
+def noncanonical(tree: Tree) -> None:
+    text = json.dumps(_reverse_keys(tree.manifest()), indent=2, ensure_ascii=True) + "\n"
+    tree.set_raw_manifest(text.encode())
+
+
+def large_manifest(tree: Tree) -> None:
+    data = tree.raw_manifest()
+    tree.set_raw_manifest(b"{" + b" " * ((1 << 20) + 1 - len(data)) + data[1:])
+
+
+def custom_paths(tree: Tree) -> None:
+    tree.move(DATA, "blobs/W-0.st")
+    tree.move("provenance/context.msgpack", "meta/prov")
+    tree.move(NOTES, "n")
+
+
+def stray_files(tree: Tree) -> None:
+    lock = {"host": "elsewhere.invalid", "nonce": "0", "pid": 1, "started_at": "2025-01-01T00:00:00Z"}
+    for path, data in {
+        ".writer-lock": json.dumps(lock, sort_keys=True).encode(),
+        "weights/.r00000-00000.safetensors.tmp-0123456789ab": b"partial",
+        "weights/r00001-00000.safetensors": b"not listed, not read",
+        ".hidden/x": b"x",
+        "README.txt": b"unlisted",
+    }.items():
+        (tree.root / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree.root / path).write_bytes(data)
+
+
+def safetensors_extras(tree: Tree) -> None:
+    end = tree.data_end(DATA)
+
+    def fn(h: dict[str, Any]) -> None:
+        h["__metadata__"] = {"format": "pt"}
+        h["w"]["x-note"] = "ignored"
+        h["unreferenced"] = {"dtype": "U8", "shape": [3], "data_offsets": [end, end + 3]}
+
+    tree.rewrite_data_file(DATA, header=fn, append=b"\x01\x02\x03", pad=16)
+
+
+def mixed_digests(tree: Tree) -> None:
+    def fn(doc: Json) -> None:
+        for record in doc["files"]:
+            record["digest"] = digest_of("sha256", tree.read(record["path"]))
+
+    tree.edit(fn)
+
+
+def encodings(tree: Tree) -> None:
+    """Hand-made msgpack: keys out of order (CTX-9), float 32, ints and strs in longer encodings than needed."""
+    value = edits.fixmap(
+        (packb("z"), b"\xca\x3f\xc0\x00\x00"),  # float 32: 1.5
+        (packb("a"), b"\xca\x3d\xcc\xcc\xcd"),  # float 32 nearest 0.1
+        (packb("m"), b"\xd3" + (1).to_bytes(8, "big")),  # int 64 holding 1
+        (b"\xd9\x01k", b"\xda\x00\x03abc"),  # str 8 key, str 16 value
+    )
+    tree.write("state/context.msgpack", value)
+
+
+def encodings_expected(description: dict[str, Any]) -> None:
+    value = {"z": f(1.5), "a": f(float(np.float32(0.1))), "m": 1, "k": "abc"}
+    description["fields"]["state"]["context"] = value
+
+
+VALID: tuple[Valid, ...] = (
+    Valid(
+        "weights",
+        ("PRO-1", "PRO-4", "TEN-19"),
+        "Base of most invalid vectors: weights profile; a whole tensor, one in 2 chunks, an empty one; a context.",
+        weights_base,
+    ),
+    Valid(
+        "training-minimal",
+        ("PRO-1", "PRO-3"),
+        "The smallest training checkpoint: the base of the invalid vectors about standard fields.",
+        training_base,
+    ),
+    Valid(
+        "training-full",
+        (
+            "FLD-2",
+            "FLD-3",
+            "FLD-4",
+            "FLD-5",
+            "FLD-6",
+            "FLD-7",
+            "FLD-8",
+            "FLD-10",
+            "FLD-11",
+            "FLD-12",
+            "RNG-1",
+            "RNG-2",
+            "RNG-3",
+            "RNG-4",
+            "RNG-5",
+            "RNG-6",
+        ),
+        "Every standard field with optional members; a generator of every kind, and one of an unknown kind.",
+        training_full,
+    ),
+    Valid(
+        "dtypes-all",
+        ("TEN-1", "TEN-19", "TEN-21", "SAF-6", "SAF-9"),
+        "Every dtype of the table, 0-d and empty tensors.",
+        dtypes_all,
+    ),
+    Valid("multi-file", ("MAN-16",), "A field spread over several data files.", multi_file),
+    Valid(
+        "sharded-even",
+        ("TEN-15", "TEN-16", "TEN-17", "TEN-18"),
+        "Tensors in even chunks written by four simulated ranks, one data file per rank.",
+        sharded_even,
+        post=as_ranks,
+    ),
+    Valid(
+        "sharded-uneven",
+        ("TEN-15", "TEN-16", "TEN-17", "TEN-18", "TEN-22"),
+        "Uneven row chunks, an uneven 2-D grid, a tensor held by two of four ranks.",
+        sharded_uneven,
+        post=as_ranks,
+    ),
+    Valid(
+        "extra-fields",
+        ("PRO-4", "MAN-22", "MAN-23"),
+        "Fields beyond the profile, of both kinds; empty tensor fields; tensor fields with a context blob; metadata.",
+        extra_fields,
+    ),
+    Valid(
+        "context-values",
+        ("CTX-7", "CTX-10", "CTX-11", "CTX-12"),
+        "All msgpack types of the subset: int bounds, bigints, special floats, bin, ndarrays, depth 64, tag-like map.",
+        context_values,
+    ),
+    Valid(
+        "context-encodings",
+        ("CTX-9",),
+        "A blob with keys out of order, float 32 values and longer-than-needed encodings.",
+        context_encodings,
+        post=encodings,
+        writer=False,
+        expect=encodings_expected,
+    ),
+    Valid(
+        "config-hash",
+        ("CFG-2", "FLD-7", "FLD-8", "FLD-9"),
+        "A config holding every example of spec/config-hash.md: a reader must compute the same hash.",
+        config_hash_examples,
+    ),
+    Valid(
+        "tensor-names",
+        ("TEN-2", "TEN-7"),
+        "Unusual valid tensor names: '/', '@', spaces, non-ASCII, 1024 bytes; a tensor named like another's chunk key.",
+        tensor_names,
+    ),
+    Valid(
+        "unknown-keys",
+        ("VER-5", "VER-9", "TEN-12"),
+        "Unknown members at every depth, a must_understand=false extension, a raw codec with a configuration.",
+        weights_base,
+        post=lambda t: t.edit(unknown_keys),
+        writer=False,
+    ),
+    Valid(
+        "minor-version",
+        ("VER-4",),
+        "format_version 1.42.",
+        weights_base,
+        post=lambda t: t.edit(lambda d: d.update(format_version="1.42")),
+        writer=False,
+        expect=lambda d: d.update(format_version="1.42"),
+    ),
+    Valid(
+        "noncanonical-manifest",
+        ("MAN-2",),
+        "An indented manifest with members in reverse order and \\u escapes.",
+        weights_base,
+        post=noncanonical,
+        writer=False,
+    ),
+    Valid(
+        "large-manifest",
+        ("MAN-6", "MAN-2"),
+        "A manifest of 1 MiB + 1 byte (whitespace): above common parser limits, within the 256 MiB readers accept.",
+        weights_base,
+        post=large_manifest,
+        writer=False,
+    ),
+    Valid(
+        "custom-paths",
+        ("LAY-3",),
+        "Valid paths off the reference layout.",
+        weights_base,
+        post=custom_paths,
+        writer=False,
+    ),
+    Valid(
+        "stray-files",
+        ("LAY-4",),
+        "A lock, a temporary file, hidden and unlisted files beside the checkpoint.",
+        weights_base,
+        post=stray_files,
+        writer=False,
+    ),
+    Valid(
+        "safetensors-extras",
+        ("SAF-11", "SAF-12", "SAF-13"),
+        "A data file with __metadata__, an unknown entry member, an entry no chunk references, extra padding.",
+        weights_base,
+        post=safetensors_extras,
+        writer=False,
+    ),
+    Valid(
+        "mixed-digests",
+        ("DIG-2", "DIG-3"),
+        "sha256 file digests beside xxh3-128 chunk digests.",
+        weights_base,
+        post=mixed_digests,
+        writer=False,
+    ),
+)

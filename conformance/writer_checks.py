@@ -1,0 +1,260 @@
+"""Checks ``run --writer`` makes on a checkpoint a writer produced, each deciding one writer-side MUST.
+
+The content itself is compared by the runner (reference reader vs the writer input); these checks
+look at what content comparison cannot see: bytes, names and inventory. COM-16 (determinism) is
+checked by the runner, which calls the writer twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ckptfmt
+from ckptfmt.canonical import config_hash, manifest_bytes
+from ckptfmt.errors import CheckpointError
+from ckptfmt.paths import check_path
+from ckptfmt.profiles import PROFILES
+
+from .msgpack_scan import encoding_problems
+
+DIGEST = re.compile(r"(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})")
+DATA_NAME = re.compile(r"([a-z][a-z0-9_]{0,63})/r[0-9]{5,}-[0-9]{5,}\.safetensors")
+ID_IN_OUTPUT = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a writer left in its output directory, and what it printed."""
+
+    root: Path
+    stdout: str
+    raw: bytes  # manifest.json as stored
+    manifest: dict[str, Any]
+
+    def chunks(self) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            (fname, chunk)
+            for fname, field in self.manifest["fields"].items()
+            for tensor in field.get("tensors", {}).values()
+            for chunk in tensor["chunks"]
+        ]
+
+    def contexts(self) -> dict[str, str]:
+        return {f: rec["context"]["path"] for f, rec in self.manifest["fields"].items() if "context" in rec}
+
+
+Check = Callable[[Output], list[str]]
+
+
+def canonical_manifest(out: Output) -> list[str]:
+    return [] if manifest_bytes(json.loads(out.raw)) == out.raw else ["manifest.json is not in canonical form"]
+
+
+def reported_id(out: Output) -> list[str]:
+    actual = "sha256:" + hashlib.sha256(out.raw).hexdigest()
+    return [f"reported id {cid} is not {actual}" for cid in ID_IN_OUTPUT.findall(out.stdout) if cid != actual]
+
+
+def inventory(out: Output) -> list[str]:
+    listed = {r["path"] for r in out.manifest["files"]}
+    referenced = {c["path"] for _, c in out.chunks()} | set(out.contexts().values())
+    present = {
+        p.relative_to(out.root).as_posix()
+        for p in out.root.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(out.root).parts)
+    } - {"manifest.json"}
+    problems = [f"{p} is listed but is no data file or context blob" for p in sorted(listed - referenced)]
+    return problems + [f"{p} was written but is not listed" for p in sorted(present - listed)]
+
+
+def paths(out: Output) -> list[str]:
+    problems = []
+    for path in [r["path"] for r in out.manifest["files"]] + [c["path"] for _, c in out.chunks()]:
+        try:
+            check_path(path)
+        except CheckpointError as exc:
+            problems.append(exc.message)
+    return problems
+
+
+def names(out: Output) -> list[str]:
+    problems = [
+        f"data file {c['path']} is not {f}/r<RANK>-<SEQ>.safetensors"
+        for f, c in out.chunks()
+        if (m := DATA_NAME.fullmatch(c["path"])) is None or m.group(1) != f
+    ]
+    return problems + [
+        f"context blob {p} is not {f}/context.msgpack" for f, p in out.contexts().items() if p != f"{f}/context.msgpack"
+    ]
+
+
+def one_field_per_file(out: Output) -> list[str]:
+    owners: dict[str, set[str]] = {}
+    for fname, chunk in out.chunks():
+        owners.setdefault(chunk["path"], set()).add(fname)
+    return [f"{p} holds chunks of fields {sorted(f)}" for p, f in owners.items() if len(f) > 1]
+
+
+def digests(out: Output) -> list[str]:
+    values = [r["digest"] for r in out.manifest["files"]] + [c["digest"] for _, c in out.chunks()]
+    return [
+        f"digest {d!r} is not xxh3-128 or sha256 in canonical form" for d in values if DIGEST.fullmatch(str(d)) is None
+    ]
+
+
+def codecs(out: Output) -> list[str]:
+    return [
+        f"chunk {c['key']!r} has codec {c['codec']!r}" for _, c in out.chunks() if c.get("codec") != {"name": "raw"}
+    ]
+
+
+def data_files(out: Output) -> list[str]:
+    report = ckptfmt.verify(out.root)
+    return [str(p) for p in report.problems if p.code == "safetensors_header"]
+
+
+def blob_encoding(requirement: str) -> Check:
+    def check(out: Output) -> list[str]:
+        problems = []
+        for path in out.contexts().values():
+            problems += [
+                f"{path}: {m}" for rid, m in encoding_problems((out.root / path).read_bytes()) if rid == requirement
+            ]
+        return problems
+
+    return check
+
+
+def _types(value: object, spec: dict[str, Callable[[object], bool]], where: str) -> list[str]:
+    if not isinstance(value, dict):
+        return []  # the required members are the reader's to check
+    return [f"{where}.{k} has the wrong type" for k, ok in spec.items() if k in value and not ok(value[k])]
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+def _map_of(ok: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, dict) and all(ok(x) for x in v.values())
+
+
+def _array_of(ok: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, list) and all(ok(x) for x in v)
+
+
+def optional_members(out: Output) -> list[str]:
+    """FLD-1 for the optional members (readers check the required ones)."""
+    with ckptfmt.open(out.root) as ckpt:
+        blobs = {
+            f: ckpt.read_context(f)
+            for f in ("data", "topology", "provenance")
+            if ckpt.fields.get(f) and ckpt.fields[f].kind == "context"
+        }
+    problems = []
+    if "data" in blobs:
+        data = blobs["data"]
+        problems += _types(
+            data,
+            {
+                "dataset": _map_of(_str),
+                "sampler": lambda v: isinstance(v, dict),
+                "shard_offsets": _map_of(_int),
+                "quarantined_shards": _array_of(_str),
+            },
+            "data",
+        )
+    if "topology" in blobs:
+        topo = blobs["topology"]
+        problems += _types(topo, {"rank": _int, "mesh": lambda v: isinstance(v, dict)}, "topology")
+        problems += _types(topo.get("mesh"), {"dims": _array_of(_str), "shape": _array_of(_int)}, "topology.mesh")
+    if "provenance" in blobs:
+        prov = blobs["provenance"]
+        problems += _types(
+            prov,
+            {
+                "code": lambda v: isinstance(v, dict),
+                "step": _int,
+                "parent": _str,
+                "host": _str,
+                "versions": _map_of(_str),
+            },
+            "provenance",
+        )
+        problems += _types(
+            prov.get("code"),
+            {"commit": _str, "dirty": lambda v: isinstance(v, bool), "repository": _str},
+            "provenance.code",
+        )
+    return problems
+
+
+def config_hashes(out: Output) -> list[str]:
+    if "config" not in out.contexts():
+        return []
+    with ckptfmt.open(out.root) as ckpt:
+        value = ckpt.read_context("config")
+    expected = config_hash(value["config"])
+    return [] if value["hash"] == expected else [f"hash {value['hash']} is not {expected}"]
+
+
+def profile_fields(out: Output) -> list[str]:
+    fields = out.manifest["fields"]
+    required = PROFILES.get(out.manifest["profile"], {})
+    return [
+        f"required field {n!r} of kind {k!r} is missing"
+        for n, k in required.items()
+        if fields.get(n, {}).get("kind") != k
+    ]
+
+
+def version(out: Output) -> list[str]:
+    return [] if out.manifest["format_version"] == "1.0" else [f"format_version is {out.manifest['format_version']!r}"]
+
+
+def lock_removed(out: Output) -> list[str]:
+    return [".writer-lock is still there after the save"] if (out.root / ".writer-lock").exists() else []
+
+
+CHECKS: tuple[tuple[str, Check], ...] = (
+    ("MAN-1", canonical_manifest),
+    ("MAN-3", reported_id),
+    ("MAN-17", inventory),
+    ("PTH-1", paths),
+    ("LAY-1", names),
+    ("LAY-2", one_field_per_file),
+    ("DIG-1", digests),
+    ("TEN-13", codecs),
+    ("SAF-1", data_files),
+    ("CTX-8", blob_encoding("CTX-8")),
+    ("CTX-10", blob_encoding("CTX-10")),
+    ("FLD-1", optional_members),
+    ("CFG-1", config_hashes),
+    ("PRO-2", profile_fields),
+    ("VER-1", version),
+    ("COM-13", lock_removed),
+)
+DETERMINISM = "COM-16"
+
+
+def run_checks(root: Path, stdout: str) -> list[tuple[str, str]]:
+    """(requirement ID, problem) for every check that fails on the checkpoint at ``root``."""
+    raw = (root / "manifest.json").read_bytes()
+    out = Output(root=root, stdout=stdout, raw=raw, manifest=json.loads(raw))
+    problems = []
+    for rid, check in CHECKS:
+        try:
+            problems += [(rid, p) for p in check(out)]
+        except (CheckpointError, ValueError, KeyError, TypeError, OSError) as exc:
+            problems.append((rid, f"could not check: {type(exc).__name__}: {exc}"))
+    return problems

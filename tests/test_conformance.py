@@ -1,0 +1,270 @@
+"""The conformance suite against the reference implementation, and proof that it can fail.
+
+Both directions run through ``python -m conformance run`` in a subprocess, as another team's CI
+would: the reader is ``ckpt dump --canonical``, the writer ``python -m conformance.reference_writer``.
+Deliberately broken adapters (a reader that accepts everything, one that misreports a digest, a
+writer that writes a non-canonical manifest) must make the runner fail.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptfmt.errors import CheckpointError
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # conformance/ is a top-level directory of the repository, not a package of ckptfmt
+
+from ckptfmt.cli import cli  # noqa: E402
+from ckptfmt.cli.dump import context_json, describe  # noqa: E402
+
+from conformance import VECTORS  # noqa: E402
+
+BIN = Path(sys.executable).parent
+READER = f"{BIN / 'ckpt'} dump --canonical"
+WRITER = f"{sys.executable} -m conformance.reference_writer"
+SUMMARY = r"^(\d+) passed, (\d+) failed$"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "conformance", *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> tuple[int, int]:
+    import re
+
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(SUMMARY, last)
+    assert m, last
+    return int(m.group(1)), int(m.group(2))
+
+
+def subset(tmp_path: Path, *names: str) -> Path:
+    """A vector tree holding only the named vectors (e.g. 'valid/weights'), for the quick negative runs."""
+    out = tmp_path / "vectors"
+    for name in names:
+        shutil.copytree(VECTORS / name, out / name, symlinks=True)
+    return out
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return f"{sys.executable} {path}"
+
+
+# ---------------------------------------------------------------- the reference passes
+
+
+def test_the_reference_reader_passes_every_vector() -> None:
+    proc = run("run", "--reader", READER)
+    passed, failed = summary(proc)
+    assert (failed, proc.returncode) == (0, 0), proc.stdout
+    assert passed == len(list((VECTORS / "valid").iterdir())) + len(list((VECTORS / "invalid").iterdir()))
+
+
+def test_the_reference_writer_passes_every_input_and_scenario() -> None:
+    proc = run("run", "--writer", WRITER)
+    passed, failed = summary(proc)
+    assert (failed, proc.returncode) == (0, 0), proc.stdout
+    inputs = len(list(VECTORS.glob("valid/*/writer-input.json")))
+    assert passed == inputs + len(list((VECTORS / "writer").iterdir()))
+
+
+# ---------------------------------------------------------------- the runner can fail
+
+
+def test_a_reader_that_accepts_everything_fails(tmp_path: Path) -> None:
+    cheat = script(
+        tmp_path,
+        "cheat.py",
+        """
+        import sys, pathlib
+        expected = pathlib.Path(sys.argv[1]).parent / "expected.json"
+        print(expected.read_text() if "outcome" not in expected.read_text() else "{}")
+        """,
+    )
+    vectors = subset(tmp_path, "valid/weights", "invalid/chunks-overlap", "invalid/st-trailing-bytes")
+    proc = run("run", "--reader", cheat, "--vectors", str(vectors))
+    assert summary(proc) == (1, 2) and proc.returncode == 1
+    assert "invalid/chunks-overlap" in proc.stdout and "FAIL" in proc.stdout
+
+
+def test_a_reader_that_misreports_a_digest_fails(tmp_path: Path) -> None:
+    liar = script(
+        tmp_path,
+        "liar.py",
+        """
+        import json, sys
+        from ckptfmt.cli.dump import describe
+        doc = describe(sys.argv[1])
+        tensors = doc["fields"]["weights"]["tensors"]
+        first = sorted(tensors)[0]
+        tensors[first]["digest"] = "sha256:" + "0" * 64
+        print(json.dumps(doc))
+        """,
+    )
+    vectors = subset(tmp_path, "valid/weights", "valid/dtypes-all", "invalid/no-manifest")
+    proc = run("run", "--reader", liar, "--vectors", str(vectors))
+    assert summary(proc) == (1, 2) and proc.returncode == 1  # it still refuses the incomplete one
+    assert "different content: $.fields.weights.tensors.e.digest differs" in proc.stdout
+
+
+def test_a_writer_with_a_non_canonical_manifest_and_a_leftover_lock_fails(tmp_path: Path) -> None:
+    sloppy = script(
+        tmp_path,
+        "sloppy.py",
+        """
+        import json, sys, pathlib
+        from conformance.reference_writer import main
+        code = main(sys.argv[1:])
+        root = pathlib.Path(sys.argv[2])
+        if code == 0:
+            manifest = root / "manifest.json"
+            manifest.write_text(json.dumps(json.loads(manifest.read_bytes()), indent=1))
+            (root / ".writer-lock").write_text("{}")
+        sys.exit(code)
+        """,
+    )
+    vectors = subset(tmp_path, "valid/weights", "writer/foreign-lock")
+    proc = subprocess.run(
+        [sys.executable, "-m", "conformance", "run", "--writer", sloppy, "--vectors", str(vectors)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False, env={"PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert summary(proc) == (1, 1) and proc.returncode == 1, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("valid/weights"))
+    assert "MAN-1: manifest.json is not in canonical form" in row and "COM-13" in row and row.endswith("FAIL")
+
+
+# ---------------------------------------------------------------- traceability and determinism
+
+
+def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
+    from conformance.traceability import trace
+
+    result = trace()
+    assert result.problems == []
+    assert len(result.spec) == 132
+    assert result.by_tests == {
+        "COM-3",
+        "COM-4",
+        "COM-5",
+        "COM-6",
+        "COM-7",
+        "COM-8",
+        "COM-9",
+        "COM-10",
+        "COM-11",
+        "COM-12",
+    }
+
+
+def test_traceability_fails_on_an_uncovered_or_unknown_id(tmp_path: Path) -> None:
+    from conformance import COVERAGE
+    from conformance.traceability import trace
+
+    vectors = tmp_path / "vectors"
+    shutil.copytree(VECTORS, vectors, symlinks=True)
+    bad = vectors / "invalid" / "ctx-not-map" / "expected.json"
+    doc = json.loads(bad.read_bytes())
+    doc["requirements"] = ["TEN-99"]
+    bad.write_text(json.dumps(doc))
+    coverage = json.loads(COVERAGE.read_bytes())
+    del coverage["COM-9"]
+    coverage["MAN-5"] = {"tests": ["tests/test_conformance.py::no_such_test"], "why": "?"}
+    (tmp_path / "coverage.json").write_text(json.dumps(coverage))
+    problems = trace(vectors, tmp_path / "coverage.json").problems
+    assert "invalid/ctx-not-map names TEN-99, which the spec does not have" in problems
+    assert "CTX-1 has no vector, no writer check and no coverage.json entry" in problems
+    assert "COM-9 has no vector, no writer check and no coverage.json entry" in problems
+    assert "coverage.json lists MAN-5, but a vector or writer check covers it" in problems
+    assert "coverage.json MAN-5: no test tests/test_conformance.py::no_such_test" in problems
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = b"symlink -> " + str(path.readlink()).encode()
+        elif path.is_file():
+            out[rel] = path.read_bytes()
+    return out
+
+
+def test_regenerating_the_vectors_gives_byte_identical_files(tmp_path: Path) -> None:
+    proc = run("generate", "--out", str(tmp_path / "vectors"))
+    assert proc.returncode == 0, proc.stderr
+    fresh, committed = _tree(tmp_path / "vectors"), _tree(VECTORS)
+    assert sorted(fresh) == sorted(committed)
+    assert [p for p in fresh if fresh[p] != committed[p]] == []
+
+
+def test_the_vector_set_stays_small() -> None:
+    total = sum(p.stat().st_size for p in VECTORS.rglob("*") if p.is_file() and not p.is_symlink())
+    assert total < 3 << 20
+
+
+# ---------------------------------------------------------------- the adapters
+
+
+def test_dump_prints_the_expected_description() -> None:
+    vector = VECTORS / "valid" / "context-values"
+    result = CliRunner().invoke(cli, ["dump", "--canonical", str(vector / "checkpoint")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip("\n").encode() == (vector / "expected.json").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("vector", "code"),
+    [
+        ("no-manifest", "incomplete"),
+        ("chunks-overlap", "chunk_layout"),
+        ("st-trailing-bytes", "safetensors_header"),
+        ("config-hash-mismatch", "config_hash_mismatch"),
+    ],
+)
+def test_dump_refuses_with_the_error_code_on_stderr(vector: str, code: str) -> None:
+    result = CliRunner().invoke(cli, ["dump", "--canonical", str(VECTORS / "invalid" / vector / "checkpoint")])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert f"[{code}]" in result.stderr
+
+
+def test_writer_inputs_round_trip_through_the_description_mapping() -> None:
+    from conformance.values import load, to_context
+
+    doc = load((VECTORS / "valid" / "context-values" / "writer-input.json").read_bytes())
+    state = doc["fields"]["state"]["context"]
+    expected = json.loads((VECTORS / "valid" / "context-values" / "expected.json").read_bytes())
+    assert context_json(to_context(state)) == expected["fields"]["state"]["context"]
+
+
+@pytest.mark.parametrize("vector", sorted(p.name for p in (VECTORS / "invalid").iterdir()))
+def test_the_reference_refuses_each_invalid_vector_with_a_checkpoint_error(vector: str) -> None:
+    """Not a crash: every refusal is a CheckpointError with a code (the runner only sees the exit status)."""
+    with pytest.raises(CheckpointError) as info:
+        describe(VECTORS / "invalid" / vector / "checkpoint")
+    assert info.value.code not in ("checkpoint_error", "storage", "usage")
+
+
+def test_the_blob_walk_finds_float32_and_non_canonical_bigints() -> None:
+    from conformance.msgpack_scan import encoding_problems
+
+    blob = (VECTORS / "valid" / "context-encodings" / "checkpoint" / "state" / "context.msgpack").read_bytes()
+    assert [rid for rid, _ in encoding_problems(blob)] == ["CTX-8", "CTX-8"]
+    for name in ("ctx-bigint-not-minimal", "ctx-bigint-in-range"):
+        blob = (VECTORS / "invalid" / name / "checkpoint" / "notes" / "context.msgpack").read_bytes()
+        assert [rid for rid, _ in encoding_problems(blob)] == ["CTX-10"]
+    written = (VECTORS / "valid" / "context-values" / "checkpoint" / "state" / "context.msgpack").read_bytes()
+    assert encoding_problems(written) == []
