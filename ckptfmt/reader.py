@@ -27,6 +27,7 @@ from .errors import (
     FieldNotFoundError,
     IncompleteCheckpointError,
     MissingFileError,
+    SafetensorsHeaderError,
     SizeMismatchError,
     UnsupportedCodecError,
     UsageError,
@@ -34,6 +35,7 @@ from .errors import (
 from .fields import check_standard_field
 from .manifest import RAW, ChunkRecord, FieldRecord, Manifest, TensorRecord, checkpoint_id, parse_manifest
 from .paths import MANIFEST_NAME
+from .safetensors_io import header_length, parse_header
 from .storage import Store, open_store
 
 
@@ -66,7 +68,8 @@ class Checkpoint:
         self.manifest = manifest
         self.id = checkpoint_id(manifest_bytes)
         self._file_records = {f.path: f for f in manifest.files}
-        self._sizes_checked: set[str] = set()
+        self._files_checked: set[str] = set()
+        self._chunks_by_file: dict[str, list[tuple[str, str, ChunkRecord]]] | None = None
 
     @property
     def url(self) -> str:
@@ -162,7 +165,7 @@ class Checkpoint:
             )
         view = byte_view(out)
         try:
-            self._check_size(chunk.path)
+            self._check_data_file(chunk.path)
             self.store.read_into(chunk.path, chunk.begin, view)
         except CheckpointError as exc:
             exc.locate(field=field, tensor=name)
@@ -177,15 +180,60 @@ class Checkpoint:
                     tensor=name,
                 )
 
-    def _check_size(self, path: str) -> None:
-        """Refuse a file whose size is not the manifest's (MAN-19); one stat per file per open."""
-        if path in self._sizes_checked:
+    def chunks_in(self, path: str) -> list[tuple[str, str, ChunkRecord]]:
+        """(field, tensor, chunk) of every chunk the manifest places in data file ``path``."""
+        if self._chunks_by_file is None:
+            index: dict[str, list[tuple[str, str, ChunkRecord]]] = {}
+            for fname, record in self.manifest.fields.items():
+                for tname, tensor in record.tensors.items():
+                    for chunk in tensor.chunks:
+                        index.setdefault(chunk.path, []).append((fname, tname, chunk))
+            self._chunks_by_file = index
+        return self._chunks_by_file.get(path, [])
+
+    def header_problems(self, path: str, size: int) -> list[CheckpointError]:
+        """Parse a data file's safetensors header (SAF-2..12) and compare it with the manifest (SAF-13).
+
+        One ranged read: the manifest's first chunk begins where the header ends. Raises for a malformed
+        header; returns one error per chunk the header contradicts.
+        """
+        placed = self.chunks_in(path)
+        hint = min((c.begin for _, _, c in placed), default=8)
+        head = bytearray(min(max(hint, 8), size))
+        self.store.read_into(path, 0, memoryview(head))
+        length = header_length(bytes(head[:8]), size, path)
+        if len(head) < 8 + length:  # the manifest's hint was short (a file that disagrees with it)
+            head = bytearray(8 + length)
+            self.store.read_into(path, 0, memoryview(head))
+        entries = parse_header(bytes(head[8 : 8 + length]), size, path)
+        problems: list[CheckpointError] = []
+        for fname, tname, chunk in placed:
+            entry = entries.get(chunk.key)
+            dtype = self.manifest.fields[fname].tensors[tname].dtype
+            if entry is None:
+                message = f"key {chunk.key!r} is not in the header"
+            elif (entry.dtype, entry.shape, entry.begin, entry.end) != (dtype, chunk.shape, chunk.begin, chunk.end):
+                message = (
+                    f"header says {entry.dtype}{list(entry.shape)} at [{entry.begin}, {entry.end}), manifest says "
+                    f"{dtype}{list(chunk.shape)} at [{chunk.begin}, {chunk.end})"
+                )
+            else:
+                continue
+            problems.append(SafetensorsHeaderError(message, path=path, field=fname, tensor=tname))
+        return problems
+
+    def _check_data_file(self, path: str) -> None:
+        """Before the first read from a data file: its size (MAN-19) and header (SAF-2..13); once per open."""
+        if path in self._files_checked:
             return
         actual = self.store.size(path)
         expected = self._file_records[path].size
         if actual != expected:
             raise SizeMismatchError(f"file has {actual} bytes, manifest says {expected}", path=path)
-        self._sizes_checked.add(path)
+        problems = self.header_problems(path, actual)
+        if problems:
+            raise problems[0]
+        self._files_checked.add(path)
 
     def read_tensors(self, field: str, *, verify: bool = True, workers: int = 4) -> dict[str, np.ndarray[Any, Any]]:
         """Every tensor of a field; ``workers`` threads read in parallel (object stores gain most: one

@@ -303,7 +303,10 @@ def test_unknown_dtype_refuses_only_that_tensor(training: str, raw: Raw) -> None
     with pytest.raises(DTypeError) as info:
         ckpt.read_tensor("weights", "layer0.w")
     assert (info.value.field, info.value.tensor) == ("weights", "layer0.w")
-    assert ckpt.read_tensor("weights", "layer0.b").shape == (3,)
+    # other data files stay readable (TEN-1); the edited file itself now contradicts its header (SAF-13)
+    assert ckpt.read_tensor("optimizer", "layer0.w.exp_avg").shape == (4, 3)
+    with pytest.raises(ckptfmt.SafetensorsHeaderError, match="F4"):
+        ckpt.read_tensor("weights", "layer0.b")
 
 
 def test_a_listed_file_no_field_uses_is_tolerated(training: str, raw: Raw) -> None:
@@ -633,3 +636,25 @@ def test_a_100k_chunk_manifest_with_one_overlap_is_refused(manifest_100k: dict[s
     with pytest.raises(ChunkLayoutError) as info:
         parse_manifest(json.dumps(broken).encode())
     assert info.value.tensor == "layers.99.w"
+
+
+def test_read_refuses_a_polyglot_data_file_without_verify(training: str, raw: Raw) -> None:
+    """Bytes after the last tensor, with size and digest forged to match: read_tensor refuses (SAF-11)."""
+    path = next(p for p in raw.files(training) if p.startswith("weights/") and p.endswith(".safetensors"))
+    raw.forge(training, path, raw.files(training)[path] + b"<html>polyglot</html>")
+    ckpt = ckptfmt.open(training)
+    with pytest.raises(ckptfmt.SafetensorsHeaderError, match="after the last tensor") as info:
+        ckpt.read_tensor("weights", "layer0.w")
+    assert info.value.path == path
+
+
+def test_read_refuses_a_header_that_disagrees_with_the_manifest(training: str, raw: Raw) -> None:
+    """The header moved a tensor's shape; digests forged to match: read_tensor refuses (SAF-13)."""
+    path = next(p for p in raw.files(training) if p.startswith("weights/") and p.endswith(".safetensors"))
+    data = raw.files(training)[path]
+    n = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + n].replace(b'"shape":[4,3]', b'"shape":[3,4]')
+    assert header != data[8 : 8 + n]
+    raw.forge(training, path, data[:8] + header + data[8 + n :])
+    with pytest.raises(ckptfmt.SafetensorsHeaderError, match="manifest says"):
+        ckptfmt.open(training).read_tensor("weights", "layer0.b")
