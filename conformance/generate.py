@@ -11,9 +11,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.cli.dump import describe  # type: ignore[import-not-found,unused-ignore]  # see README, "Typing"
-
 from ckptfmt.canonical import canonical_json
+from ckptfmt.describe import describe
 
 from .inputs import training_base, weights_base
 from .invalid_context import VECTORS as CONTEXT_VECTORS

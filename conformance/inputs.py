@@ -48,7 +48,7 @@ def tensor(dtype: str, shape: list[int], seed: int = 0, chunks: list[dict[str, A
 
 def f(value: float) -> dict[str, str]:
     """A tagged float, as the description writes it."""
-    from ckptfmt.cli.dump import float_text  # type: ignore[import-not-found,unused-ignore]  # see README, "Typing"
+    from ckptfmt.describe import float_text
 
     return {"$float": float_text(value)}
 

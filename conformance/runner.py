@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ckptfmt.cli.dump import describe  # type: ignore[import-not-found,unused-ignore]  # see README, "Typing"
-
 from ckptfmt.canonical import canonical_json
+from ckptfmt.describe import describe
 from ckptfmt.errors import CheckpointError
 
 from .values import expected_description, load

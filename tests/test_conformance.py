@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # conformance/ is a top-level directory of the repository, not a package of ckptfmt
 
 from ckptfmt.cli import cli  # noqa: E402
-from ckptfmt.cli.dump import context_json, describe  # noqa: E402
 
+from ckptfmt.describe import context_json, describe  # noqa: E402
 from conformance import VECTORS  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -106,7 +106,7 @@ def test_a_reader_that_misreports_a_digest_fails(tmp_path: Path) -> None:
         "liar.py",
         """
         import json, sys
-        from ckptfmt.cli.dump import describe
+        from ckptfmt.describe import describe
         doc = describe(sys.argv[1])
         tensors = doc["fields"]["weights"]["tensors"]
         first = sorted(tensors)[0]
