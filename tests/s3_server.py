@@ -135,10 +135,12 @@ class CountingProxy:
             self.sent_to_server = self.received_from_server = 0
 
     def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
-        with contextlib.suppress(OSError):
+        clean = False
+        try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
+                    clean = True
                     break
                 # count before forwarding: a reader that has its bytes always sees them counted
                 with self._lock:
@@ -152,8 +154,18 @@ class CountingProxy:
                     self.cut()
                     break
                 dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        if clean:  # an orderly close travels on as one
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+            return
+        # one side died (a killed server, a cut): close both, as a reset would, so no sender blocks forever
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _serve(self, listener: socket.socket) -> None:
         listener.settimeout(0.2)
