@@ -86,12 +86,6 @@ def to_torch(tensors: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
     return out
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -107,6 +101,18 @@ def main() -> None:
     ttensors = None if args.no_torch else to_torch(tensors)
     results: dict[str, dict[str, list[float]]] = {}
     cold = drop_caches()
+
+    def settle() -> None:
+        """Start every timed write and read from the same state: no dirty pages from the previous one
+        competing for the disk, and a cold page cache when the machine lets us drop it."""
+        os.sync()
+        drop_caches()
+
+    def timed(fn: Callable[[], object]) -> float:
+        settle()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
 
     def record(name: str, op: str, seconds: float) -> None:
         results.setdefault(name, {}).setdefault(op, []).append(nbytes / seconds / 1e6)
@@ -126,7 +132,6 @@ def main() -> None:
                     w.write_tensor("weights", name, arr)
 
         record("ckptfmt", "write", timed(ck_write))
-        drop_caches()
 
         def ck_read() -> None:
             with ckptfmt.open(path) as ckpt:
@@ -148,7 +153,6 @@ def main() -> None:
             "write",
             timed(lambda: (save_file(tensors, str(sf)), fsync_tree(sf.parent))),
         )
-        drop_caches()
         record("safetensors", "read", timed(lambda: load_file(str(st / "model.safetensors"))))
 
         if ttensors is not None:
@@ -163,12 +167,10 @@ def main() -> None:
                 "write",
                 timed(lambda: (torch.save(ttensors, tp / "model2.pt"), fsync_tree(tp))),
             )
-            drop_caches()
             record("torch.save", "read", timed(lambda: torch.load(tp / "model.pt", weights_only=True)))
 
             dp = fresh("dcp")
             record("dcp", "write", timed(lambda: dcp.save(ttensors, checkpoint_id=str(dp))))
-            drop_caches()
             target = {k: torch.empty_like(v) for k, v in ttensors.items()}
             record("dcp", "read", timed(lambda: dcp.load(target, checkpoint_id=str(dp))))
 
