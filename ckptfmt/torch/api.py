@@ -74,14 +74,15 @@ def capture(
     parent: str | None = None,
     buffers: HostBuffers | None = None,
     code: Mapping[str, object] | None = None,
+    defer: bool = False,
 ) -> Snapshot:
     """Snapshot all seven fields (plus scheduler, scaler and extras) into host memory.
 
     ``code``: the training code's git state if already known (see :func:`ckptfmt.provenance.capture`).
     """
     snap = Snapshot()
-    state.capture_model(model, snap, buffers)
-    state.capture_optimizer(optimizer, snap, buffers)
+    state.capture_model(model, snap, buffers, defer=defer)
+    state.capture_optimizer(optimizer, snap, buffers, defer=defer)
     snap.contexts["rng"] = rng.capture(generators)
     snap.contexts["data"] = _data_field(sampler)
     snap.contexts["config"] = state.config_field(config)

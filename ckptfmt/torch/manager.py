@@ -9,9 +9,14 @@ Call sequence in a training loop::
         mgr.checkpoint_if_due(step, every=100, model=m, optimizer=o, sampler=s, config=cfg)
     mgr.wait()
 
-An async save snapshots the state into reusable host buffers on the caller's thread (the only
-part that stalls training), then writes in a background thread; at most one save is in flight, and
-a background failure is raised by the next call into the manager — never swallowed.
+An async save captures on the caller's thread only what the next forward pass may change (RNG,
+data position, config, model buffers such as batch-norm statistics, scheduler); parameters and
+optimizer state, which only ``optimizer.step()`` changes, are copied into reusable host buffers by a
+background thread while the next forward and backward run, and an optimizer step pre-hook holds the
+next ``step()`` until that copy is done. The background thread then writes the checkpoint. At most
+one save is in flight, and a background failure is raised by the next call into the manager —
+never swallowed. Contract: between ``save()`` and the next ``optimizer.step()``, the trainer must
+not change parameters or optimizer state in place by other means.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import FrameType
@@ -67,6 +73,8 @@ class CheckpointManager:
         self._buffers = HostBuffers()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-async") if async_save else None
         self._inflight: Future[str] | None = None
+        self._gate: Any = None  # the optimizer step pre-hook of the async save in flight
+        self.held_seconds = 0.0  # total time optimizer.step() waited for an async save's copy
         self._inflight_name: str | None = None
         self._preempted = threading.Event()
         self._previous_handlers: dict[signal.Signals, Any] = {}
@@ -130,14 +138,33 @@ class CheckpointManager:
             parent=self.last_checkpoint_id,
             buffers=self._buffers if self.async_save else None,
             code=self._code,
+            defer=self.async_save,
             **kwargs,
         )
         name = checkpoint_name(step)
         if self._pool is None:
             self._persist(name, step, snap)
             return
+        # Parameters and optimizer state change only in optimizer.step(): they are copied in the
+        # background while the next forward and backward run, and the next step waits for the copy.
+        copied = threading.Event()
+
+        def hold_step(opt: Any, args: Any, kwargs: Any) -> None:
+            if not copied.is_set():
+                start = time.perf_counter()
+                copied.wait()
+                self.held_seconds += time.perf_counter() - start
+
+        self._gate = optimizer.register_step_pre_hook(hold_step)
         self._inflight_name = name
-        self._inflight = self._pool.submit(self._persist, name, step, snap)
+        self._inflight = self._pool.submit(self._copy_and_persist, name, step, snap, copied)
+
+    def _copy_and_persist(self, name: str, step: int, snap: Snapshot, copied: threading.Event) -> str:
+        try:
+            snap.materialize(self._buffers)
+        finally:
+            copied.set()  # even on failure: never leave the trainer's optimizer blocked
+        return self._persist(name, step, snap)
 
     def _persist(self, name: str, step: int, snap: Snapshot) -> str:
         store = open_store(self.run.child_url(name), self.run.storage_options)
@@ -158,7 +185,12 @@ class CheckpointManager:
         self._inflight_name = None
         if future is None:
             return self.last_checkpoint_id
-        return future.result()
+        try:
+            return future.result()
+        finally:
+            if self._gate is not None:  # removed here, on the trainer's thread, never while step() runs
+                self._gate.remove()
+                self._gate = None
 
     def _raise_background_error(self) -> None:
         if self._inflight is not None and self._inflight.done():

@@ -26,10 +26,21 @@ from ..writer import CheckpointWriter
 
 @dataclass(slots=True)
 class Snapshot:
-    """Everything one checkpoint holds, in host memory: field -> tensors, field -> context."""
+    """Everything one checkpoint holds, in host memory: field -> tensors, field -> context.
+
+    ``deferred`` lists tensors not copied yet (field, name, live tensor): parameters and optimizer
+    state, which only ``optimizer.step()`` changes, so an async save may copy them while the next
+    forward and backward run. :meth:`materialize` copies them.
+    """
 
     tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = field(default_factory=dict)
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    deferred: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
+
+    def materialize(self, buffers: HostBuffers) -> None:
+        for fname, name, tensor in self.deferred:
+            self.tensors[fname][name] = buffers.copy(f"{fname}/{name}", tensor)
+        self.deferred.clear()
 
 
 class HostBuffers:
@@ -70,8 +81,18 @@ def _plain(value: Any, where: str) -> Any:
 # ------------------------------------------------------------------ model
 
 
-def capture_model(model: torch.nn.Module, snap: Snapshot, buffers: HostBuffers | None = None) -> None:
-    """Model state into ``weights``; a tensor shared under several names (tied weights) is stored once."""
+_NOT_YET: np.ndarray[Any, Any] = np.empty(0)  # the place of a deferred tensor, keeping write order
+
+
+def capture_model(
+    model: torch.nn.Module, snap: Snapshot, buffers: HostBuffers | None = None, *, defer: bool = False
+) -> None:
+    """Model state into ``weights``; a tensor shared under several names (tied weights) is stored once.
+
+    With ``defer``, parameters are left for :meth:`Snapshot.materialize`; buffers (e.g. batch-norm
+    statistics, which the next forward pass updates) are copied now.
+    """
+    params = {p.data_ptr() for p in model.parameters()} if defer else set()
     tensors: dict[str, np.ndarray[Any, Any]] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
@@ -87,7 +108,11 @@ def capture_model(model: torch.nn.Module, snap: Snapshot, buffers: HostBuffers |
             aliases[name] = seen[ident]
             continue
         seen[ident] = name
-        tensors[name] = _host(f"weights/{name}", tensor, buffers)
+        if tensor.data_ptr() in params and tensor.numel():
+            snap.deferred.append(("weights", name, tensor))
+            tensors[name] = _NOT_YET
+        else:
+            tensors[name] = _host(f"weights/{name}", tensor, buffers)
     snap.tensors["weights"] = tensors
     snap.contexts["weights"] = {"aliases": aliases}
 
@@ -108,14 +133,22 @@ def _dtype_name(array: np.ndarray[Any, Any]) -> str:
 # ------------------------------------------------------------------ optimizer
 
 
-def capture_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, buffers: HostBuffers | None = None) -> None:
-    """Per-parameter state tensors as ``state.<param index>.<key>``; everything else as the field's context."""
+def capture_optimizer(
+    optimizer: torch.optim.Optimizer, snap: Snapshot, buffers: HostBuffers | None = None, *, defer: bool = False
+) -> None:
+    """Per-parameter state tensors as ``state.<param index>.<key>``; everything else as the field's context.
+
+    With ``defer``, the state tensors are left for :meth:`Snapshot.materialize`.
+    """
     state_dict = optimizer.state_dict()
     tensors: dict[str, np.ndarray[Any, Any]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, entry in state_dict["state"].items():
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and defer:
+                snap.deferred.append(("optimizer", f"state.{pid}.{key}", value))
+                tensors[f"state.{pid}.{key}"] = _NOT_YET
+            elif isinstance(value, torch.Tensor):
                 tensors[f"state.{pid}.{key}"] = _host(f"optimizer/{pid}/{key}", value, buffers)
             else:
                 scalars.setdefault(str(pid), {})[key] = _plain(value, f"optimizer state {pid}.{key}")
@@ -184,6 +217,8 @@ def config_field(config: object) -> dict[str, Any]:
 
 def write_snapshot(writer: CheckpointWriter, snap: Snapshot) -> str:
     """Write every field of ``snap`` and commit; returns the checkpoint id."""
+    if snap.deferred:
+        raise UsageError("the snapshot has tensors not copied yet: call materialize() first")
     for name, tensors in snap.tensors.items():
         writer.write_tensors(name, tensors)
     for name, context in snap.contexts.items():
