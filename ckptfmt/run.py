@@ -15,10 +15,10 @@ import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Literal
 
 from .errors import CheckpointError
+from .lock import read_lock
 from .manifest import checkpoint_id, parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME
 from .storage import Store, open_store
@@ -82,29 +82,19 @@ class Entry:
 def _lock_is_live(store: Store, prefix: str, stale_after_s: float) -> bool:
     """Whether a writer may still be working on ``prefix``.
 
-    As spec/commit.md: a lock is dead only when it names this host and no process with its pid runs
-    here. A lock of another host counts as live until ``stale_after_s`` after its ``started_at``; a lock
-    that cannot be read or says neither counts as live (an operator removes it), never as dead.
+    As spec/commit.md: a lock is dead only when its holder is known to be gone (a pid of this host
+    that no longer runs). A lock of another host counts as live until ``stale_after_s`` after its
+    ``started_at``; a lock that cannot be read counts as live (an operator removes it), never as dead.
     """
-    try:
-        info = json.loads(store.read(f"{prefix}/{LOCK_NAME}"))
-    except (CheckpointError, ValueError):
+    lock = read_lock(store, f"{prefix}/{LOCK_NAME}")
+    if lock is None:
         return True
-    if not isinstance(info, dict):
+    if lock.holder_is_dead():
+        return False
+    if lock.host == socket.gethostname():
         return True
-    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
-        try:
-            os.kill(info["pid"], 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    try:
-        started = datetime.fromisoformat(str(info.get("started_at")).replace("Z", "+00:00"))
-    except ValueError:
-        return True
-    return (datetime.now(timezone.utc) - started).total_seconds() < stale_after_s
+    age = lock.age_seconds()
+    return age is None or age < stale_after_s
 
 
 class RunDirectory:
@@ -183,15 +173,7 @@ class RunDirectory:
 
     def set_latest(self, name: str, step: int, ckpt_id: str) -> None:
         """Point ``latest`` at a committed checkpoint; one atomic replace (rename locally, one PUT remotely)."""
-        data = json.dumps({"name": name, "step": step, "checkpoint_id": ckpt_id}, sort_keys=True).encode()
-        out = self.store.create(LATEST_NAME)
-        try:
-            out.write(data)
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        self.store.sync_dirs([LATEST_NAME])
+        self._replace(LATEST_NAME, {"name": name, "step": step, "checkpoint_id": ckpt_id})
 
     def pinned(self) -> set[str]:
         try:
@@ -202,14 +184,18 @@ class RunDirectory:
         return {p for p in pins if isinstance(p, str)} if isinstance(pins, list) else set()
 
     def set_pinned(self, names: Iterable[str]) -> None:
-        data = json.dumps({"pinned": sorted(set(names))}).encode()
-        out = self.store.create(PINS_NAME)
+        self._replace(PINS_NAME, {"pinned": sorted(set(names))})
+
+    def _replace(self, path: str, document: Mapping[str, object]) -> None:
+        """Replace a small JSON file in one atomic step (rename locally, one PUT remotely), durably."""
+        out = self.store.create(path)
         try:
-            out.write(data)
+            out.write(json.dumps(document, sort_keys=True).encode())
             out.commit()
         except BaseException:
             out.abort()
             raise
+        self.store.sync_dirs([path])
 
     # ---------------------------------------------------------------- retention
 

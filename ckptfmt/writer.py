@@ -9,9 +9,6 @@ modified until the writer commits (or :meth:`CheckpointWriter.flush` returns).
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
 import socket
 import threading
 from collections.abc import Mapping
@@ -38,6 +35,7 @@ from .errors import (
     UsageError,
 )
 from .fields import check_standard_field
+from .lock import WriterLock, read_lock
 from .manifest import (
     ChunkRecord,
     FieldRecord,
@@ -53,9 +51,6 @@ from .safetensors_io import build_header
 from .storage import Store
 
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
-# Nonces of locks this process failed to remove while aborting (storage unreachable): a later writer
-# in this process may take them over, since their holder is known to be gone.
-_ABANDONED_LOCKS: set[str] = set()
 SLICE_BYTES = 16 << 20
 
 
@@ -135,27 +130,20 @@ class CheckpointWriter:
     # ------------------------------------------------------------ lock and replace
 
     def _acquire(self, overwrite: bool) -> None:
-        self._nonce = secrets.token_hex(8)
-        holder = json.dumps(
-            {
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "nonce": self._nonce,
-                "started_at": _now(),
-            },
-            sort_keys=True,
-        ).encode()
+        self._holder = WriterLock.mine()
         for attempt in range(2):
             try:
-                self.store.put_exclusive(LOCK_NAME, holder)
+                self.store.put_exclusive(LOCK_NAME, self._holder.to_bytes())
                 break
             except FileExistsError:
-                if attempt == 0 and self._lock_is_stale():
-                    self.store.delete(LOCK_NAME)
+                current = read_lock(self.store)
+                if attempt == 0 and current is not None and current.holder_is_dead():
+                    self.store.delete(LOCK_NAME)  # a stale lock: its holder is known to be gone
                     continue
                 self._pool.shutdown()
+                holder = current.describe() if current is not None else "holder unknown"
                 raise CheckpointLockedError(
-                    f"another writer holds {LOCK_NAME} ({self._lock_holder()}); if it is dead, "
+                    f"another writer holds {LOCK_NAME} ({holder}); if it is dead, "
                     "remove the lock (`ckpt gc`) or wait for it",
                     path=self.store.url,
                 ) from None
@@ -170,31 +158,6 @@ class CheckpointWriter:
             # Replace: un-commit first, so no reader ever sees the old manifest over new data files.
             self._old_files = self.store.list()
             self.store.delete(MANIFEST_NAME)
-
-    def _lock_holder(self) -> str:
-        try:
-            info = json.loads(self.store.read(LOCK_NAME))
-            return f"pid {info.get('pid')} on {info.get('host')} since {info.get('started_at')}"
-        except (CheckpointError, ValueError):
-            return "holder unknown"
-
-    def _lock_is_stale(self) -> bool:
-        """A lock left by a dead process on this host may be taken over; any other is live."""
-        try:
-            info = json.loads(self.store.read(LOCK_NAME))
-        except (CheckpointError, ValueError):
-            return False
-        if info.get("nonce") in _ABANDONED_LOCKS:
-            return True
-        if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
-            return False
-        try:
-            os.kill(info["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
 
     # ------------------------------------------------------------ public API
 
@@ -347,7 +310,7 @@ class CheckpointWriter:
         except CheckpointError:
             # Storage is unreachable: stop trying (each attempt waits out retries). What is left is an
             # incomplete checkpoint that gc removes, and this process may take over its own lock.
-            _ABANDONED_LOCKS.add(self._nonce)
+            self._holder.abandon()
 
     def __enter__(self) -> CheckpointWriter:
         return self

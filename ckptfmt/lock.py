@@ -1,0 +1,84 @@
+"""The writer lock, ``.writer-lock`` (spec/commit.md step 1): who holds a checkpoint root, and whether it is dead.
+
+One rule serves the writer (may it take a stale lock over?) and garbage collection (may it delete
+a root without a manifest?): a lock is dead only when its holder is known to be gone — a pid on
+this host that no longer runs, or a lock this process abandoned because storage was unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from .errors import CheckpointError
+from .paths import LOCK_NAME
+from .storage import Store
+
+# Nonces of locks this process failed to remove while aborting (storage unreachable): their holder is
+# known to be gone, so a later writer in this process may take them over.
+_ABANDONED: set[str] = set()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriterLock:
+    host: str
+    pid: int
+    nonce: str
+    started_at: str
+
+    @classmethod
+    def mine(cls) -> WriterLock:
+        return cls(host=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(8), started_at=_now())
+
+    def to_bytes(self) -> bytes:
+        doc = {"host": self.host, "pid": self.pid, "nonce": self.nonce, "started_at": self.started_at}
+        return json.dumps(doc, sort_keys=True).encode()
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host} since {self.started_at}"
+
+    def holder_is_dead(self) -> bool:
+        """Known gone: abandoned by this process, or a pid of this host that no longer runs."""
+        if self.nonce in _ABANDONED:
+            return True
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def age_seconds(self) -> float | None:
+        try:
+            started = datetime.fromisoformat(self.started_at.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        return (datetime.now(timezone.utc) - started).total_seconds()
+
+    def abandon(self) -> None:
+        _ABANDONED.add(self.nonce)
+
+
+def read_lock(store: Store, path: str = LOCK_NAME) -> WriterLock | None:
+    """The lock at ``path``, or None when there is none or it cannot be read as a lock."""
+    try:
+        info = json.loads(store.read(path))
+    except (CheckpointError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    host, pid, nonce, started = info.get("host"), info.get("pid"), info.get("nonce"), info.get("started_at")
+    if not (isinstance(host, str) and type(pid) is int and isinstance(nonce, str) and isinstance(started, str)):
+        return None
+    return WriterLock(host=host, pid=pid, nonce=nonce, started_at=started)
