@@ -87,7 +87,9 @@ def main() -> int:
 
     def ckpt(*args: str) -> int:
         print(f"\n== ckpt {' '.join(args)}")
-        return subprocess.call([sys.executable, "-m", "ckptfmt", *args])
+        # the installed entry point: `python -m ckptfmt` from a checkout would import the source tree,
+        # where cli/ is not mapped to ckptfmt.cli
+        return subprocess.call([str(Path(sys.executable).with_name("ckpt")), *args])
 
     ckpt("inspect", str(url))
     if ckpt("verify", str(url)) != 0:

@@ -22,7 +22,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"
-CKPT = [sys.executable, "-m", "ckptfmt"]
+# The installed entry point, not `python -m ckptfmt`: run from a checkout, that would import the source
+# tree's ckptfmt/, where cli/ is not mapped to ckptfmt.cli (only an install maps it).
+CKPT = [str(Path(sys.executable).with_name("ckpt"))]
 STEPS, KILL, EVERY = 24, 12, 4
 
 
