@@ -34,8 +34,8 @@ def banner(text: str) -> None:
 
 def run(cmd: list[str], *, expect: int = 0) -> subprocess.CompletedProcess[str]:
     shown = " ".join(
-        ["ckpt", *cmd[3:]]
-        if cmd[:3] == CKPT
+        ["ckpt", *cmd[len(CKPT) :]]
+        if cmd[: len(CKPT)] == CKPT
         else ["python", *(Path(c).name if c == str(TRAIN) else c for c in cmd[1:])]
     )
     print(f"$ {shown}", flush=True)
