@@ -1,21 +1,29 @@
 """Comparing two checkpoints field by field, tensor by tensor, context key by context key.
 
-Tensors with the same dtype, shape, chunking and chunk digests are equal without reading a byte
-(same algorithm, same digest of the same bytes). Otherwise both are read in blocks of rows along
-the first dimension, so memory stays at two blocks; float differences are computed in float64.
+By default (``compared="bytes"``) every tensor of both sides is read and every chunk hashed against
+its manifest digest, so a corrupt side is reported as a problem, never as equality. Tensors with the
+same dtype, shape, chunking and chunk digests are then equal once both sides hash to those digests;
+others are read chunk by chunk (same chunking) or in blocks of rows along the first dimension, so memory
+stays at two blocks; float differences are computed in float64. ``compared="digests"`` trusts matching
+digests without reading (fast, and says so: it proves the manifests agree, not that the bytes are there).
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 import ckptfmt
 from ckptfmt import dtypes
+from ckptfmt.errors import CheckpointError, ContextError, IntegrityError, UnsupportedCodecError
 from ckptfmt.manifest import TensorRecord
+
+Compared = Literal["bytes", "digests"]
+# Errors that mean "this side's stored data is bad": reported as problems of the diff, not as a crash
+_DATA_ERRORS = (IntegrityError, ContextError, UnsupportedCodecError)
 
 BLOCK_BYTES = 64 << 20
 FLOAT_KINDS = "fc"
@@ -24,6 +32,56 @@ FLOAT_KINDS = "fc"
 def _same_chunks(a: TensorRecord, b: TensorRecord) -> bool:
     key = [(c.offsets, c.shape, c.digest) for c in a.chunks]
     return sorted(key) == sorted((c.offsets, c.shape, c.digest) for c in b.chunks)
+
+
+def _same_geometry(a: TensorRecord, b: TensorRecord) -> bool:
+    return sorted((c.offsets, c.shape) for c in a.chunks) == sorted((c.offsets, c.shape) for c in b.chunks)
+
+
+def _chunk_blocks(record: TensorRecord) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    # one block per chunk: each chunk of each side is read (and hashed) exactly once
+    for chunk in sorted(record.chunks, key=lambda c: c.offsets):
+        if all(chunk.shape):
+            yield chunk.offsets, chunk.shape
+
+
+class SideError(Exception):
+    """Corrupt or unreadable data on one side of the diff (``side`` is "a" or "b")."""
+
+    def __init__(self, side: str, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.side = side
+        self.error = error
+
+
+def _read(c: ckptfmt.Checkpoint, side: str, field: str, name: str, offsets: Any, shape: Any) -> np.ndarray[Any, Any]:
+    try:
+        return c.read_slice(field, name, offsets, shape, verify=True)
+    except _DATA_ERRORS as exc:
+        raise SideError(side, exc) from exc
+
+
+def _verify_chunks(c: ckptfmt.Checkpoint, side: str, field: str, name: str) -> None:
+    """Read every chunk of a tensor once and check it against its manifest digest (raises SideError)."""
+    for offsets, shape in _chunk_blocks(c.tensor(field, name)):
+        _read(c, side, field, name, offsets, shape)
+
+
+def _verify_both(a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, field: str, name: str) -> None:
+    errors = []
+    for c, side in ((a, "a"), (b, "b")):
+        try:
+            _verify_chunks(c, side, field, name)
+        except SideError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0] if len(errors) == 1 else BothSidesError(errors)
+
+
+class BothSidesError(Exception):
+    def __init__(self, errors: list[SideError]) -> None:
+        super().__init__("; ".join(str(e) for e in errors))
+        self.errors = errors
 
 
 def _row_blocks(shape: Sequence[int], itemsize: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -37,10 +95,18 @@ def _row_blocks(shape: Sequence[int], itemsize: int) -> Iterator[tuple[tuple[int
         yield (start,) + (0,) * (len(shape) - 1), (count, *shape[1:])
 
 
-def compare_tensor(a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, field: str, name: str) -> dict[str, Any] | None:
-    """None if equal, else what differs (dtype/shape/bytes, and for floats the max abs difference)."""
+def compare_tensor(
+    a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, field: str, name: str, *, compared: Compared = "bytes"
+) -> dict[str, Any] | None:
+    """None if equal, else what differs (dtype/shape/bytes, and for floats the max abs difference).
+
+    With ``compared="bytes"`` both sides are read and digest-checked even when their digests match, and a
+    corrupt side raises its IntegrityError; with ``"digests"`` matching digests are trusted unread.
+    """
     ra, rb = a.tensor(field, name), b.tensor(field, name)
     if ra.dtype != rb.dtype or ra.shape != rb.shape:
+        if compared == "bytes":
+            _verify_both(a, b, field, name)
         return {
             "field": field,
             "name": name,
@@ -52,15 +118,18 @@ def compare_tensor(a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, field: str, nam
             "nonfinite_mismatches": None,
         }
     if _same_chunks(ra, rb):
+        if compared == "bytes":  # equal digests prove equal bytes only once both sides hash to them
+            _verify_both(a, b, field, name)
         return None
     is_float = np.dtype(dtypes.to_numpy(ra.dtype)).kind in FLOAT_KINDS or ra.dtype.startswith(("BF", "F8"))
     different = 0
     nonfinite = 0
     max_diff: float | None = None
     itemsize = dtypes.itemsize(ra.dtype)
-    for offsets, shape in _row_blocks(ra.shape, itemsize):
-        xa = a.read_slice(field, name, offsets, shape)
-        xb = b.read_slice(field, name, offsets, shape)
+    blocks = _chunk_blocks(ra) if _same_geometry(ra, rb) else _row_blocks(ra.shape, itemsize)
+    for offsets, shape in blocks:
+        xa = _read(a, "a", field, name, offsets, shape)
+        xb = _read(b, "b", field, name, offsets, shape)
         same_bits = xa.reshape(-1).view(np.uint8).reshape(xa.size, itemsize) == xb.reshape(-1).view(np.uint8).reshape(
             xb.size, itemsize
         )
@@ -118,9 +187,18 @@ def _equal(x: object, y: object) -> bool:
     return type(x) is type(y) and x == y
 
 
+def _context(c: ckptfmt.Checkpoint, side: str, field: str) -> dict[str, object]:
+    if not c.has_context(field):
+        return {}
+    try:
+        return _flatten(c.read_context(field))
+    except _DATA_ERRORS as exc:
+        raise SideError(side, exc) from exc
+
+
 def compare_context(a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, field: str) -> list[dict[str, str]]:
-    ca = _flatten(a.read_context(field)) if a.has_context(field) else {}
-    cb = _flatten(b.read_context(field)) if b.has_context(field) else {}
+    ca = _context(a, "a", field)
+    cb = _context(b, "b", field)
     out = []
     for key in sorted(set(ca) | set(cb)):
         if key not in ca:
@@ -136,10 +214,18 @@ def _ignored(patterns: Sequence[str], *names: str) -> bool:
     return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
-def compare(a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, *, ignore: Sequence[str] = ()) -> dict[str, Any]:
-    """The ``ckpt diff --json`` document (without the urls)."""
+def compare(
+    a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, *, ignore: Sequence[str] = (), compared: Compared = "bytes"
+) -> dict[str, Any]:
+    """The ``ckpt diff --json`` document (without the urls).
+
+    ``problems`` lists corrupt or unreadable data found on either side (file, field, tensor named); a diff
+    with problems is never ``identical``.
+    """
     fa, fb = a.fields, b.fields
+    problems: list[dict[str, str]] = []
     doc: dict[str, Any] = {
+        "compared": compared,
         "fields": {
             "added": sorted(n for n in fb if n not in fa and not _ignored(ignore, n)),
             "removed": sorted(n for n in fa if n not in fb and not _ignored(ignore, n)),
@@ -168,11 +254,26 @@ def compare(a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, *, ignore: Sequence[st
             elif name not in tb:
                 doc["tensors"]["removed"].append({"field": field, "name": name})
             else:
-                change = compare_tensor(a, b, field, name)
+                try:
+                    change = compare_tensor(a, b, field, name, compared=compared)
+                except (SideError, BothSidesError) as exc:
+                    problems += _problems(exc, a, b)
+                    continue
                 if change is not None:
                     doc["tensors"]["changed"].append(change)
-        doc["context"] += [c for c in compare_context(a, b, field) if not _ignored(ignore, f"{field}.{c['key']}")]
+        try:
+            changes = compare_context(a, b, field)
+        except SideError as exc:
+            problems += _problems(exc, a, b)
+            continue
+        doc["context"] += [c for c in changes if not _ignored(ignore, f"{field}.{c['key']}")]
+    doc["problems"] = problems
     doc["identical"] = not (
-        any(doc["fields"].values()) or any(doc["tensors"].values()) or doc["context"] or doc["metadata"]
+        any(doc["fields"].values()) or any(doc["tensors"].values()) or doc["context"] or doc["metadata"] or problems
     )
     return doc
+
+
+def _problems(exc: SideError | BothSidesError, a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint) -> list[dict[str, str]]:
+    errors = exc.errors if isinstance(exc, BothSidesError) else [exc]
+    return [{"side": e.side, "url": a.url if e.side == "a" else b.url, **e.error.to_dict()} for e in errors]

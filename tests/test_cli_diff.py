@@ -115,3 +115,100 @@ def test_large_tensor_compared_in_row_blocks(tmp_path: Path, monkeypatch: pytest
 def test_missing_checkpoint_exit_2(tmp_path: Path) -> None:
     a = weights(str(tmp_path / "a"), {"x": np.zeros(2)})
     assert run_cli("diff", a, str(tmp_path / "none")).exit_code == 2
+
+
+def _flip_first_chunk_byte(url: str, field: str, tensor: str) -> str:
+    """Flip one byte inside a tensor's stored bytes (the manifest still lists the old digest)."""
+    with ckptfmt.open(url) as c:
+        chunk = c.tensor(field, tensor).chunks[0]
+    path = Path(url, chunk.path)
+    data = bytearray(path.read_bytes())
+    data[chunk.begin] ^= 0x01
+    path.write_bytes(bytes(data))
+    return chunk.path
+
+
+@pytest.mark.parametrize("corrupt_side", ["a", "b"])
+def test_flipped_byte_with_matching_digests_is_a_problem_not_identical(tmp_path: Path, corrupt_side: str) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_training(a)
+    write_training(b)
+    bad = a if corrupt_side == "a" else b
+    data_file = _flip_first_chunk_byte(bad, "weights", "layer0.w")
+    result = run_cli("diff", a, b, "--json")
+    assert result.exit_code == 1, result.stdout
+    doc = result.json()
+    assert doc["identical"] is False and doc["compared"] == "bytes"
+    [problem] = doc["problems"]
+    assert problem["side"] == corrupt_side and problem["code"] == "digest_mismatch"
+    assert (problem["path"], problem["field"], problem["tensor"]) == (data_file, "weights", "layer0.w")
+    human = run_cli("diff", a, b)
+    assert human.exit_code == 1 and "corrupt" in human.stdout and "layer0.w" in human.stdout
+
+
+def test_corruption_on_both_sides_reports_both(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_training(a)
+    write_training(b)
+    _flip_first_chunk_byte(a, "optimizer", "layer0.w.exp_avg")
+    _flip_first_chunk_byte(b, "optimizer", "layer0.w.exp_avg")
+    doc = run_cli("diff", a, b, "--json").json()
+    assert sorted(p["side"] for p in doc["problems"]) == ["a", "b"]
+
+
+def test_corrupt_tensor_of_changed_shape_is_still_reported(tmp_path: Path) -> None:
+    x = np.arange(6, dtype=np.float32)
+    a = weights(str(tmp_path / "a"), {"x": x})
+    b = weights(str(tmp_path / "b"), {"x": x.reshape(2, 3)})
+    _flip_first_chunk_byte(b, "weights", "x")
+    doc = run_cli("diff", a, b, "--json").json()
+    assert [(p["side"], p["tensor"]) for p in doc["problems"]] == [("b", "x")]
+
+
+def test_corrupt_context_blob_is_a_problem(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_training(a)
+    write_training(b)
+    with ckptfmt.open(b) as c:
+        blob = c.field("data").context
+    assert blob is not None
+    path = Path(b, blob)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    result = run_cli("diff", a, b, "--json")
+    assert result.exit_code == 1
+    assert [(p["side"], p["field"]) for p in result.json()["problems"]] == [("b", "data")]
+
+
+def test_digests_only_says_so_and_skips_reading(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_training(a)
+    write_training(b)
+    _flip_first_chunk_byte(b, "weights", "layer0.w")
+    result = run_cli("diff", a, b, "--digests-only", "--json")
+    doc = result.json()
+    assert doc["compared"] == "digests" and "bytes not read" in doc["note"]
+    assert doc["identical"] is True and result.exit_code == 0  # what --digests-only promises, and no more
+    human = run_cli("diff", a, b, "--digests-only").stdout
+    assert "bytes not read" in human and "ckpt verify" in human
+
+
+def test_same_chunking_reads_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_training(a)
+    write_training(b)
+    calls: list[tuple[int, ...]] = []
+    original = ckptfmt.Checkpoint.read_slice
+
+    def counting(
+        self: ckptfmt.Checkpoint, field: str, name: str, offsets: object, shape: object, **kw: object
+    ) -> object:
+        calls.append(tuple(offsets))  # type: ignore[arg-type]
+        return original(self, field, name, offsets, shape, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckptfmt.Checkpoint, "read_slice", counting)
+    assert run_cli("diff", a, b, "--json").exit_code == 0
+    with ckptfmt.open(a) as c:
+        chunks = sum(len(t.chunks) for f in c.fields.values() for t in f.tensors.values())
+    assert len(calls) == 2 * chunks
