@@ -192,3 +192,134 @@ def test_malicious_data_item_is_refused(tmp_path: Path) -> None:
     result = run_cli("convert", str(src), str(tmp_path / "out"), "--to", "ckptfmt")
     assert result.exit_code == 1 and "invalid_source" in result.stderr
     assert not marker.exists()
+
+
+def _s(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+
+def _class_build(module: str, name: str, attribute: str) -> bytes:
+    """A hand-made pickle: fetch an admitted class, then BUILD (None, {attribute: True}) against the class
+    object itself, which a plain restricted unpickler turns into setattr(cls, attribute, True)."""
+    return (
+        b"\x80\x04"
+        + _s(module)
+        + _s(name)
+        + b"\x93"  # STACK_GLOBAL
+        + b"N}"  # NONE, EMPTY_DICT (the slot state)
+        + _s(attribute)
+        + b"\x88s"  # NEWTRUE, SETITEM
+        + b"\x86b."  # TUPLE2, BUILD, STOP
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("torch", "Size"),
+    ],
+)
+def test_build_against_an_admitted_class_is_refused_and_the_class_is_unchanged(
+    tmp_path: Path, module: str, name: str
+) -> None:
+    import importlib
+
+    from ckptfmt.convert.dcp_metadata import parse_metadata
+    from ckptfmt.errors import SourceFormatError
+
+    cls = getattr(importlib.import_module(module), name)
+    attribute = "ckptfmt_tampered"
+    with pytest.raises(SourceFormatError):
+        parse_metadata(_class_build(module, name, attribute))
+    assert not hasattr(cls, attribute)
+    # and through the CLI, inside a DCP directory
+    src = tmp_path / "dcp"
+    dcp_save({"w": torch.zeros(2)}, src)
+    (src / ".metadata").write_bytes(_class_build(module, name, attribute))
+    result = run_cli("convert", str(src), str(tmp_path / "out"), "--to", "ckptfmt", "--json")
+    assert result.exit_code == 1 and result.json()["error"]["code"] == "invalid_source"
+    assert not hasattr(cls, attribute)
+
+
+def test_build_against_a_memoized_class_inside_real_metadata_leaves_it_unchanged(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ckptfmt.convert.dcp_metadata import parse_metadata
+
+    src = tmp_path / "dcp"
+    dcp_save({"w": torch.zeros(2)}, src)
+    data = (src / ".metadata").read_bytes()
+    assert data.endswith(b".")
+    # after the genuine object: fetch memo 2 (the Metadata class, as dcp.save memoizes it), BUILD, POP it
+    tail = b"h\x02N}" + _s("ckptfmt_tampered") + b"\x88s\x86b0."
+    try:
+        parse_metadata(data[:-1] + tail)
+    except Exception as exc:  # refusing is fine; what matters is the class
+        assert type(exc).__module__.startswith("ckptfmt"), exc
+    assert not hasattr(Metadata, "ckptfmt_tampered")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x02(c__main__\nX\ni." + b"",  # INST: an old-style call
+        b"\x80\x02\x82\x01.",  # EXT1: the copyreg extension registry
+        b"\x80\x02(X\x01\x00\x00\x00ao.",  # OBJ
+        b"\x80\x02X\x01\x00\x00\x00aQ.",  # BINPERSID
+    ],
+)
+def test_opcodes_outside_the_allow_list_are_refused(payload: bytes) -> None:
+    from ckptfmt.convert.dcp_metadata import parse_metadata
+    from ckptfmt.errors import SourceFormatError
+
+    with pytest.raises(SourceFormatError, match=r"opcode|readable"):
+        parse_metadata(payload)
+
+
+def _edited_metadata(src: Path, edit: Any) -> bytes:
+    with (src / ".metadata").open("rb") as f:
+        md = pickle.load(f)  # our own file, written by dcp.save
+    edit(md)
+    return pickle.dumps(md)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda md: setattr(md.state_dict_metadata["w"], "size", "4x3"),
+        lambda md: setattr(md.state_dict_metadata["w"], "chunks", None),
+        lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", [0.5]),
+        lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", [-1]),
+        lambda md: setattr(md.state_dict_metadata["w"], "properties", 3),
+        lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"),
+        lambda md: setattr(md, "state_dict_metadata", [1, 2]),
+        lambda md: setattr(md, "storage_data", {1: 2}),
+        lambda md: [setattr(v, "offset", "0") for v in md.storage_data.values()],
+        lambda md: [setattr(v, "relative_path", 7) for v in md.storage_data.values()],
+        lambda md: [object.__setattr__(k, "fqn", 7) for k in md.storage_data],
+        lambda md: md.state_dict_metadata.update({"x": 5}),
+        lambda md: md.state_dict_metadata.update({7: md.state_dict_metadata["w"]}),
+        lambda md: setattr(md, "state_dict_metadata", {"w": [[[[[[]]]]]] * 3}),
+    ],
+)
+def test_wrong_field_types_are_a_source_format_error(tmp_path: Path, edit: Any) -> None:
+    from ckptfmt.convert.dcp_metadata import parse_metadata
+    from ckptfmt.errors import SourceFormatError
+
+    src = tmp_path / "dcp"
+    dcp_save({"w": torch.zeros(4, 3)}, src)
+    with pytest.raises(SourceFormatError):
+        parse_metadata(_edited_metadata(src, edit))
+
+
+def test_deeply_nested_metadata_is_refused_cleanly() -> None:
+    from ckptfmt.convert.dcp_metadata import parse_metadata
+    from ckptfmt.errors import SourceFormatError
+
+    with pytest.raises(SourceFormatError):
+        parse_metadata(b"\x80\x04" + b"]" * 200_000 + b".")
