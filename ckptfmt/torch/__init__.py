@@ -1,4 +1,5 @@
-"""PyTorch integration: save and resume the full training state, a resumable sampler, a checkpoint manager.
+"""PyTorch integration: save and resume the full training state, a resumable DataLoader and sampler, a
+checkpoint manager.
 
 Importing this module imports torch; ``import ckptfmt`` alone does not.
 """
@@ -6,13 +7,16 @@ Importing this module imports torch; ``import ckptfmt`` alone does not.
 from __future__ import annotations
 
 from .api import Restored, capture, load, save, topology
+from .loader import InexactResumeWarning, ResumableDataLoader
 from .manager import CheckpointManager
 from .sampler import DatasetIdentity, ResumableSampler
 
 __all__ = [
     "CheckpointManager",
     "DatasetIdentity",
+    "InexactResumeWarning",
     "Restored",
+    "ResumableDataLoader",
     "ResumableSampler",
     "capture",
     "load",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -13,10 +14,11 @@ import torch
 
 from .. import provenance as prov
 from ..canonical import canonical_json
-from ..errors import ResumeMismatchError, UsageError
+from ..errors import ContextError, FieldNotFoundError, ResumeMismatchError, UsageError
 from ..reader import Checkpoint, open_checkpoint
 from ..storage import open_store
 from ..writer import CheckpointWriter
+from . import loader as loader_mod
 from . import rng, state
 from .state import HostBuffers, Snapshot
 
@@ -32,6 +34,13 @@ class Restored:
     checkpoint_id: str
     url: str
     mismatches: tuple[str, ...]
+
+
+def data_source(*, sampler: Any = None, loader: Any = None) -> Any:
+    """The one object that holds the data position: ``loader`` or ``sampler`` (both is an error)."""
+    if sampler is not None and loader is not None:
+        raise UsageError("pass the data position as loader= or sampler=, not both")
+    return loader if loader is not None else sampler
 
 
 def topology(mesh: Mapping[str, int] | None = None) -> dict[str, Any]:
@@ -50,22 +59,14 @@ def topology(mesh: Mapping[str, int] | None = None) -> dict[str, Any]:
     return out
 
 
-def _data_field(sampler: Any) -> dict[str, Any]:
-    data = sampler.state_dict()
-    if isinstance(data, Mapping) and "epoch" in data and "global_sample_offset" in data:
-        return dict(data)
-    # a StatefulDataLoader-style object with its own state shape: keep it whole beside the required keys
-    epoch = data.get("epoch", 0) if isinstance(data, Mapping) else 0
-    return {"epoch": int(epoch), "global_sample_offset": int(getattr(sampler, "consumed", 0)), "loader": data}
-
-
 def capture(
     *,
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    sampler: Any,
     config: object,
+    sampler: Any = None,
+    loader: Any = None,
     scheduler: Any = None,
     scaler: Any = None,
     generators: Mapping[str, np.random.Generator] | None = None,
@@ -75,16 +76,30 @@ def capture(
     buffers: HostBuffers | None = None,
     code: Mapping[str, object] | None = None,
     defer: bool = False,
+    data_policy: Policy = "strict",
+    steps_passed: bool = True,
 ) -> Snapshot:
     """Snapshot all seven fields (plus scheduler, scaler and extras) into host memory.
 
+    The data position comes from ``loader`` (a :class:`ResumableDataLoader`, a torchdata
+    ``StatefulDataLoader``, a ``DataLoader`` over a :class:`ResumableSampler`) or ``sampler``; one of them
+    is required. A position that would repeat data (a sampler that handed out samples but was never
+    advanced while ``steps_passed``; a loader whose sampler cannot report its position) is refused under
+    ``data_policy="strict"``, warned about under ``"warn"``.
     ``code``: the training code's git state if already known (see :func:`ckptfmt.provenance.capture`).
     """
+    source = data_source(sampler=sampler, loader=loader)
+    if source is None:
+        raise UsageError(
+            "a training checkpoint needs the data position: pass loader= (a ckptfmt.torch.ResumableDataLoader) "
+            "or sampler= (a ResumableSampler)"
+        )
+    data = loader_mod.data_field(source, policy=data_policy, steps_passed=steps_passed)
     snap = Snapshot()
     state.capture_model(model, snap, buffers, defer=defer)
     state.capture_optimizer(optimizer, snap, buffers, defer=defer)
     snap.contexts["rng"] = rng.capture(generators)
-    snap.contexts["data"] = _data_field(sampler)
+    snap.contexts["data"] = data
     snap.contexts["config"] = state.config_field(config)
     snap.contexts["topology"] = topology(mesh)
     snap.contexts["provenance"] = prov.capture(step=step, parent=parent, code=code)
@@ -105,14 +120,18 @@ def save(
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    sampler: Any,
     config: object,
+    sampler: Any = None,
+    loader: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     **kwargs: Any,
 ) -> str:
-    """Write the full training state to ``url`` as one committed checkpoint; returns its id."""
-    snap = capture(step=step, model=model, optimizer=optimizer, sampler=sampler, config=config, **kwargs)
+    """Write the full training state to ``url`` as one committed checkpoint; returns its id.
+
+    ``loader=`` (or ``sampler=``) gives the data position; see :func:`capture`.
+    """
+    snap = capture(step=step, model=model, optimizer=optimizer, sampler=sampler, loader=loader, config=config, **kwargs)
     writer = CheckpointWriter(open_store(url, storage_options), profile="training", overwrite=overwrite)
     try:
         return state.write_snapshot(writer, snap)
@@ -122,13 +141,17 @@ def save(
 
 
 def compare(snap: Snapshot, *, config: object = None, sampler: Any = None, cwd: str | None = None) -> list[str]:
-    """What differs between the checkpoint and the current run: config hash, code commit, dataset."""
+    """What differs between the checkpoint and the current run: config hash, code commit, dataset.
+
+    ``sampler``: the data source (a loader or a sampler) whose dataset identity is compared.
+    """
     out = []
+    stored_config = snap.contexts.get("config", {})
     if config is not None:
-        stored = snap.contexts["config"].get("hash")
+        stored = stored_config.get("hash")
         current = state.config_field(config)["hash"]
         if stored != current:
-            ours, theirs = state.config_field(config)["config"], snap.contexts["config"].get("config", {})
+            ours, theirs = state.config_field(config)["config"], stored_config.get("config", {})
             # compared as canonical JSON, as the hash is: a tuple now and the list it was stored as are equal
             keys = sorted(
                 k
@@ -136,18 +159,113 @@ def compare(snap: Snapshot, *, config: object = None, sampler: Any = None, cwd: 
                 if k not in ours or k not in theirs or canonical_json(ours[k]) != canonical_json(theirs[k])
             )
             out.append(f"config hash {stored} in the checkpoint, {current} now (differing keys: {', '.join(keys)})")
-    code = snap.contexts["provenance"].get("code")
+    code = snap.contexts.get("provenance", {}).get("code")
     now = prov.git_state(cwd)
     if isinstance(code, Mapping) and now is not None and code.get("commit") != now["commit"]:
         out.append(f"code commit {code.get('commit')} in the checkpoint, {now['commit']} now")
-    dataset = snap.contexts["data"].get("dataset")
-    current_ds = getattr(sampler, "dataset", None)
-    if isinstance(dataset, Mapping) and current_ds is not None and hasattr(current_ds, "to_dict"):
+    dataset = snap.contexts.get("data", {}).get("dataset")
+    current_ds = loader_mod.dataset_identity(sampler) if sampler is not None else None
+    if isinstance(dataset, Mapping) and current_ds is not None:
         mine = current_ds.to_dict()
         for key in ("name", "version", "digest"):
             if dataset.get(key) != mine.get(key):
                 out.append(f"dataset {key} {dataset.get(key)!r} in the checkpoint, {mine.get(key)!r} now")
     return out
+
+
+def missing_fields(
+    snap: Snapshot,
+    *,
+    optimizer: object = None,
+    sampler: object = None,
+    scheduler: object = None,
+    scaler: object = None,
+    restore_rng: bool = True,
+) -> list[str]:
+    """The fields this restore needs that the checkpoint does not hold (e.g. a ``weights``-profile checkpoint)."""
+    needed = [("weights", "tensors")]
+    needed += [("optimizer", "tensors"), ("optimizer", "context")] if optimizer is not None else []
+    needed += [("data", "context")] if sampler is not None else []
+    needed += [("scheduler", "context")] if scheduler is not None else []
+    needed += [("grad_scaler", "context")] if scaler is not None else []
+    # a model-only load (e.g. of a weights-profile checkpoint) restores the RNG if there is one
+    training = optimizer is not None or sampler is not None
+    needed += [("rng", "context")] if restore_rng and training else []
+    missing = []
+    for name, kind in needed:
+        where = snap.tensors if kind == "tensors" else snap.contexts
+        if name not in where and name not in missing:
+            missing.append(name)
+    return missing
+
+
+def _check_model(model: torch.nn.Module, snap: Snapshot) -> None:
+    """Refuse, before anything is applied, weights that ``load_state_dict`` would only partly load."""
+    tensors = snap.tensors["weights"]
+    aliases = snap.contexts.get("weights", {}).get("aliases", {})
+    if not isinstance(aliases, Mapping) or not all(isinstance(t, str) and t in tensors for t in aliases.values()):
+        raise ContextError("'aliases' must map names to tensors of the field", field="weights")
+    live = model.state_dict()
+    stored = set(tensors) | set(aliases)
+    absent, unexpected = sorted(set(live) - stored), sorted(stored - set(live))
+    if absent or unexpected:
+        raise UsageError(
+            f"the checkpoint's weights do not fit the model: missing {absent[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, tensor in live.items():
+        array = tensors[aliases.get(name, name)]
+        if tuple(array.shape) != tuple(tensor.shape):
+            raise UsageError(
+                f"weight {name!r} has shape {list(array.shape)} in the checkpoint, {list(tensor.shape)} in the model"
+            )
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
+    context = snap.contexts["optimizer"]
+    if context.get("class") != type(optimizer).__name__:
+        raise UsageError(f"checkpoint holds {context.get('class')} state, the optimizer is {type(optimizer).__name__}")
+    groups = context.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
+        raise ContextError("'param_groups' must be a list of maps with 'params'", field="optimizer")
+    sizes = [len(g["params"]) for g in groups]
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise UsageError(f"the checkpoint's parameter groups have {sizes} parameters, the optimizer's differ")
+    for name in snap.tensors["optimizer"]:
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+            raise ContextError(f"optimizer tensor {name!r} is not named state.<index>.<key>", field="optimizer")
+
+
+def _rollback_point(
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    sampler: Any,
+    scheduler: Any,
+    scaler: Any,
+    generators: Mapping[str, np.random.Generator] | None,
+) -> list[tuple[str, Any]]:
+    """What to put back if applying fails half-way (the model is applied last, after every check)."""
+    saved: list[tuple[str, Any]] = []
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler), ("data", sampler)):
+        if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            # load_state_dict gives an optimizer new state tensors and leaves the old ones alone: references
+            # suffice there (no second copy of the optimizer state); the others are small.
+            previous = obj.state_dict()
+            saved.append((name, (obj, previous if name == "optimizer" else copy.deepcopy(previous))))
+    saved.append(("rng", rng.capture(generators)))
+    return saved
+
+
+def _roll_back(saved: list[tuple[str, Any]], generators: Mapping[str, np.random.Generator] | None) -> None:
+    for name, value in saved:
+        try:
+            if name == "rng":
+                rng.restore(value, generators)
+            else:
+                obj, previous = value
+                obj.load_state_dict(previous)
+        except Exception:  # a rollback that fails must not hide the original error
+            log.exception("could not put the previous %s state back", name)
 
 
 def apply(
@@ -161,19 +279,44 @@ def apply(
     generators: Mapping[str, np.random.Generator] | None = None,
     restore_rng: bool = True,
 ) -> None:
-    """Put a verified snapshot into the live objects."""
-    state.apply_model(model, snap)
+    """Put a verified snapshot into the live objects, all or nothing.
+
+    Everything is checked first (fields present, weights' names and shapes, optimizer class and groups,
+    the data position's kind); then the data position, scheduler, scaler, optimizer and RNG are applied,
+    and the model last. If one of them still fails, the ones already applied are put back.
+    """
+    missing = missing_fields(
+        snap, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler, restore_rng=restore_rng
+    )
+    if missing:
+        raise FieldNotFoundError(
+            f"the checkpoint has no {', '.join(missing)} field(s), which this restore needs"
+            " (a 'weights'-profile checkpoint holds weights only: load it with model= alone)"
+        )
+    restore_rng = restore_rng and "rng" in snap.contexts
+    _check_model(model, snap)
     if optimizer is not None:
-        state.apply_optimizer(optimizer, snap)
-    if scheduler is not None:
-        state.apply_stateful("scheduler", scheduler, snap)
-    if scaler is not None:
-        state.apply_stateful("grad_scaler", scaler, snap)
+        _check_optimizer(optimizer, snap)
     if sampler is not None:
-        data = snap.contexts["data"]
-        sampler.load_state_dict(data.get("loader", data))
-    if restore_rng:
-        rng.restore(snap.contexts["rng"], generators)
+        loader_mod.check_restorable(sampler, snap.contexts["data"])
+    saved = _rollback_point(
+        optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler, generators=generators
+    )
+    try:
+        if sampler is not None:
+            loader_mod.restore_data(sampler, snap.contexts["data"])
+        if scheduler is not None:
+            state.apply_stateful("scheduler", scheduler, snap)
+        if scaler is not None:
+            state.apply_stateful("grad_scaler", scaler, snap)
+        if optimizer is not None:
+            state.apply_optimizer(optimizer, snap)
+        if restore_rng:
+            rng.restore(snap.contexts["rng"], generators)
+        state.apply_model(model, snap)
+    except BaseException:
+        _roll_back(saved, generators)
+        raise
 
 
 def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
@@ -190,6 +333,7 @@ def restore(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     sampler: Any = None,
+    loader: Any = None,
     scheduler: Any = None,
     scaler: Any = None,
     config: object = None,
@@ -200,9 +344,11 @@ def restore(
 ) -> Restored:
     """Compare a verified snapshot with the current run (``on_mismatch``), then apply it to the live objects.
 
-    ``skip_fields`` (``rng``, ``data``, ``optimizer``) are left out of the apply.
+    ``loader=`` (or ``sampler=``) takes the data position back. ``skip_fields`` (``rng``, ``data``,
+    ``optimizer``) are left out of the apply.
     """
-    mismatches = compare(snap, config=config, sampler=sampler)
+    source = data_source(sampler=sampler, loader=loader)
+    mismatches = compare(snap, config=config, sampler=source)
     if mismatches:
         message = f"resuming {url} under a different run: " + "; ".join(mismatches)
         if on_mismatch == "strict":
@@ -213,19 +359,25 @@ def restore(
         snap,
         model=model,
         optimizer=None if "optimizer" in skip_fields else optimizer,
-        sampler=None if "data" in skip_fields else sampler,
+        sampler=None if "data" in skip_fields else source,
         scheduler=scheduler,
         scaler=scaler,
         generators=generators,
         restore_rng=restore_rng and "rng" not in skip_fields,
     )
-    step = snap.contexts["provenance"].get("step")
+    step = snap.contexts.get("provenance", {}).get("step")
     return Restored(
         step=step if isinstance(step, int) else None, checkpoint_id=checkpoint_id, url=url, mismatches=tuple(mismatches)
     )
 
 
 def load(url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Restored:
-    """Resume from one checkpoint: all fields read and verified, then applied together."""
+    """Resume from one checkpoint: all fields read and verified, then applied together (all or nothing).
+
+    Takes :func:`restore`'s arguments: ``model=`` and optionally ``optimizer=``, ``loader=`` or
+    ``sampler=``, ``scheduler=``, ``scaler=``, ``config=``, ``generators=``, ``on_mismatch=``.
+    A plain ``DataLoader`` with ``generator=None``, or whose sampler cannot report its position, is
+    restored with an :class:`~ckptfmt.torch.InexactResumeWarning` saying why the resume will not be exact.
+    """
     with open_checkpoint(url, storage_options) as ckpt:
         return load_checkpoint(ckpt, **kwargs)

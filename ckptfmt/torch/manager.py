@@ -2,12 +2,16 @@
 
 Call sequence in a training loop::
 
-    mgr = CheckpointManager(run_url, keep_last=3, async_save=True)
-    step = mgr.restore_latest(model=m, optimizer=o, sampler=s) or 0
+    loader = ResumableDataLoader(dataset, batch_size=32, seed=1234, num_workers=4)
+    mgr = CheckpointManager(run_url, keep_last=3, async_save=True, loader=loader)
+    step = mgr.restore_latest(model=m, optimizer=o) or 0
     while step < total:
-        ...one optimizer step...; sampler.advance(batch_size); step += 1
-        mgr.checkpoint_if_due(step, every=100, model=m, optimizer=o, sampler=s, config=cfg)
+        for batch in loader:
+            ...one optimizer step...; step += 1
+            mgr.checkpoint_if_due(step, every=100, model=m, optimizer=o, config=cfg)
     mgr.wait()
+
+(A custom loader passes ``sampler=`` a :class:`ResumableSampler` instead, and calls ``sampler.advance()``.)
 
 An async save captures on the caller's thread only what the next forward pass may change (RNG,
 data position, config, model buffers such as batch-norm statistics, scheduler); parameters and
@@ -34,7 +38,6 @@ from typing import Any
 import torch
 
 from .. import provenance as prov
-from ..errors import CheckpointError
 from ..reader import open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
@@ -55,7 +58,8 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
-        on_mismatch: Policy = "warn",
+        on_mismatch: Policy | None = None,
+        loader: Any = None,
         preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,),
         exit_on_preemption: bool = True,
         verify_on_restore: bool = False,
@@ -64,7 +68,12 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
-        self.on_mismatch = on_mismatch
+        # config/code/dataset differences warn by default; a data position that would repeat data is refused
+        # by default (on_mismatch="warn" or "ignore" lets it through)
+        self.on_mismatch: Policy = on_mismatch or "warn"
+        self.data_policy: Policy = on_mismatch or "strict"
+        self.loader = loader
+        self._step: int | None = None  # the step of the last restore or save: did steps pass since?
         self.exit_on_preemption = exit_on_preemption
         self.verify_on_restore = verify_on_restore
         self.last_checkpoint_id: str | None = None
@@ -123,18 +132,27 @@ class CheckpointManager:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        sampler: Any,
         config: object,
+        sampler: Any = None,
+        loader: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Checkpoint the full training state at ``step`` (waits for a previous async save first)."""
+        """Checkpoint the full training state at ``step`` (waits for a previous async save first).
+
+        The data position comes from ``loader=`` (default: the manager's ``loader``) or ``sampler=``.
+        """
         self.wait()
+        if sampler is None and loader is None:
+            loader = self.loader
         snap = api.capture(
             step=step,
             model=model,
             optimizer=optimizer,
             sampler=sampler,
+            loader=loader,
             config=config,
+            data_policy=self.data_policy,
+            steps_passed=step > (self._step or 0),
             parent=self.last_checkpoint_id,
             buffers=self._buffers if self.async_save else None,
             code=self._code,
@@ -142,6 +160,7 @@ class CheckpointManager:
             **kwargs,
         )
         name = checkpoint_name(step)
+        self._step = step
         if self._pool is None:
             self._persist(name, step, snap)
             return
@@ -204,26 +223,36 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         sampler: Any = None,
+        loader: Any = None,
         scheduler: Any = None,
         scaler: Any = None,
         config: object = None,
         generators: Any = None,
         skip_fields: Sequence[str] = (),
     ) -> int | None:
-        """Resume from the newest checkpoint that is complete and verifies; returns its step, or None.
+        """Resume from the newest checkpoint that is complete, reads and verifies; returns its step, or None.
 
+        A checkpoint that cannot be opened or read whole (a corrupt chunk, an unreadable tensor, a context
+        failing its schema) or lacks a field this resume needs (a ``weights``-profile checkpoint) is
+        skipped with a WARNING naming why, and the next older one is tried. Nothing is applied until a
+        checkpoint was read and checked whole, and then all of it or nothing (see :func:`api.apply`).
+        ``loader=`` (default: the manager's ``loader``) or ``sampler=`` takes the data position back.
         ``skip_fields`` (``rng``, ``data``, ``optimizer``) are read and verified but not applied, e.g. to
         fine-tune with a fresh optimizer, or as a negative control showing that a resume needs them.
         """
         self.wait()
+        if sampler is None and loader is None:
+            loader = self.loader
+        source = api.data_source(sampler=sampler, loader=loader)
         for entry in self.run.entries():
             if entry.status != "committed":
                 log.warning("skipping %s: %s", entry.name, entry.status)
                 continue
             url = self.run.child_url(entry.name)
-            # Only a checkpoint that cannot be read or verified is skipped. Once it is in memory, verified,
-            # a refusal to apply it (a mismatch under "strict", a sampler with another seed) is the caller's
-            # to see: falling back to an older checkpoint, or to none, would silently train something else.
+            # Only a checkpoint that cannot be read, verified or used as a resume is skipped. Once it is in
+            # memory, whole and verified, a refusal to apply it (a mismatch under "strict", a model of another
+            # shape, a sampler with another seed) is the caller's to see: falling back to an older checkpoint,
+            # or to none, would silently train something else.
             try:
                 with open_checkpoint(url, self.run.storage_options) as ckpt:
                     if self.verify_on_restore:
@@ -232,9 +261,25 @@ class CheckpointManager:
                             log.warning("skipping %s: %s", entry.name, "; ".join(map(str, report.problems[:3])))
                             continue
                     snap = state.read_snapshot(ckpt)
-                    ckpt_id, ckpt_url = ckpt.id, ckpt.url
-            except CheckpointError as exc:
-                log.warning("skipping %s: %s", entry.name, exc)
+                    ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
+            except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
+                log.warning("skipping %s: cannot be read: %s: %s", entry.name, type(exc).__name__, exc)
+                continue
+            missing = api.missing_fields(
+                snap,
+                optimizer=None if "optimizer" in skip_fields else optimizer,
+                sampler=None if "data" in skip_fields else source,
+                scheduler=scheduler,
+                scaler=scaler,
+                restore_rng="rng" not in skip_fields,
+            )
+            if missing:
+                log.warning(
+                    "skipping %s: it has no %s field (profile %r), which this resume needs",
+                    entry.name,
+                    ", ".join(missing),
+                    profile,
+                )
                 continue
             restored = api.restore(
                 snap,
@@ -242,7 +287,7 @@ class CheckpointManager:
                 url=ckpt_url,
                 model=model,
                 optimizer=optimizer,
-                sampler=sampler,
+                sampler=source,
                 scheduler=scheduler,
                 scaler=scaler,
                 config=config,
@@ -251,7 +296,8 @@ class CheckpointManager:
                 skip_fields=skip_fields,
             )
             self.last_checkpoint_id = restored.checkpoint_id
-            return restored.step if restored.step is not None else entry.step
+            self._step = restored.step if restored.step is not None else entry.step
+            return self._step
         return None
 
     # ---------------------------------------------------------------- housekeeping

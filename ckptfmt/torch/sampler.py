@@ -2,15 +2,20 @@
 
 Each epoch's global order is a seeded permutation of the dataset (identity when not shuffling),
 with the samples of quarantined shards left out from the moment they are quarantined. Ranks take
-that global order round-robin, so the order survives a change of world size on resume. The
-position advances only when the trainer says it consumed samples (:meth:`advance`), never when a
-DataLoader's workers prefetch indices.
+that global order round-robin, so the order survives a change of world size on resume: the
+position on disk is global (samples of the global order consumed by all ranks together, plus
+epoch and seed), never a rank's own. The position advances only when the trainer says it
+consumed samples (:meth:`advance`) — or, inside :class:`~ckptfmt.torch.ResumableDataLoader`,
+when the loader hands a batch to the trainer — never when a DataLoader's workers prefetch indices.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+import inspect
+import weakref
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,20 +41,53 @@ class DatasetIdentity:
         return {"name": self.name, "version": self.version, "digest": self.digest}
 
 
+def default_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size of the initialized default process group, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one iterator over the sampler hands out: the global positions (into the epoch's
+    permutation) of every rank's samples, in global order, truncated so that all ranks take as many."""
+
+    epoch: int
+    positions: np.ndarray[Any, Any]
+    start_consumed: int
+    world_size: int
+
+    @property
+    def per_rank(self) -> int:
+        return len(self.positions) // self.world_size
+
+
 class ResumableSampler:
-    """A ``torch.utils.data.Sampler``-compatible iterable of sample indices (duck-typed: no torch import)."""
+    """A ``torch.utils.data.Sampler``-compatible iterable of sample indices (duck-typed).
+
+    ``rank`` and ``world_size`` default to the initialized ``torch.distributed`` process group, else 0 and 1.
+    One live iterator at a time: a second loop over the same sampler while the first is unfinished
+    would move one position for two streams of samples, so it is an error.
+    """
 
     def __init__(
         self,
         num_samples: int,
         *,
         seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         shuffle: bool = True,
         shard_size: int | None = None,
         dataset: DatasetIdentity | None = None,
     ) -> None:
+        if rank is None or world_size is None:
+            default_rank, default_world = default_rank_world()
+            rank = default_rank if rank is None else rank
+            world_size = default_world if world_size is None else world_size
         if num_samples <= 0 or world_size <= 0 or not 0 <= rank < world_size:
             raise UsageError("need num_samples > 0, world_size > 0 and 0 <= rank < world_size")
         self.num_samples = num_samples
@@ -63,6 +101,12 @@ class ResumableSampler:
         self.position = 0  # index into this epoch's permutation of the next unconsumed sample
         self.consumed = 0  # samples consumed this epoch, all ranks together
         self.quarantined: set[str] = set()
+        # Misuse detection: indices handed out by iterators vs. position moves, in this process since
+        # construction or the last load_state_dict (see position_problem()).
+        self.handed_out = 0
+        self.moves = 0
+        self.plan: Plan | None = None  # the plan of the newest iterator
+        self._live: weakref.ReferenceType[Generator[int, None, None]] | None = None
         self._perm_epoch = -1
         self._perm: np.ndarray[Any, Any] = np.empty(0, np.int64)
 
@@ -81,21 +125,57 @@ class ResumableSampler:
     def shard_of(self, index: int) -> str:
         return str(int(index) // self.shard_size)
 
-    def _remaining(self) -> np.ndarray[Any, Any]:
-        """Global order from the current position on, quarantined shards left out."""
-        rest = self._permutation()[self.position :]
+    def _remaining_positions(self) -> np.ndarray[Any, Any]:
+        """Positions (into the permutation) from the current one on, quarantined shards left out."""
+        perm = self._permutation()
+        positions = np.arange(self.position, len(perm), dtype=np.int64)
         if self.quarantined:
             bad = np.array(sorted(int(s) for s in self.quarantined), dtype=np.int64)
-            rest = rest[~np.isin(rest // self.shard_size, bad)]
+            positions = positions[~np.isin(perm[positions] // self.shard_size, bad)]
+        return positions
+
+    def _remaining(self) -> np.ndarray[Any, Any]:
+        """Global order from the current position on, quarantined shards left out."""
+        rest: np.ndarray[Any, Any] = self._permutation()[self._remaining_positions()]
         return rest
 
     def __iter__(self) -> Iterator[int]:
-        rest = self._remaining()
-        usable = len(rest) - len(rest) % self.world_size  # every rank takes the same number of steps
-        return iter(rest[self.rank : usable : self.world_size].tolist())
+        if self.live:
+            raise UsageError(
+                "ResumableSampler.__iter__ called while another iterator over it is still live (mid-epoch): two "
+                "loops over one sampler would move one data position for two streams of samples. Use one "
+                "sampler per loop (e.g. a separate one for evaluation), or finish or delete the first iterator "
+                "before starting another"
+            )
+        positions = self._remaining_positions()
+        usable = len(positions) - len(positions) % self.world_size  # every rank takes the same number of steps
+        self.plan = Plan(
+            epoch=self.epoch, positions=positions[:usable], start_consumed=self.consumed, world_size=self.world_size
+        )
+        mine = self._permutation()[positions[self.rank : usable : self.world_size]].tolist()
+        gen = self._hand_out(mine)
+        self._live = weakref.ref(gen)
+        return gen
+
+    def _hand_out(self, indices: list[int]) -> Generator[int, None, None]:
+        for index in indices:
+            self.handed_out += 1
+            yield index
+
+    @property
+    def live(self) -> bool:
+        """Whether an iterator over this sampler is started or referenced and not finished."""
+        for attempt in range(2):
+            gen = self._live() if self._live is not None else None
+            if gen is None or inspect.getgeneratorstate(gen) == inspect.GEN_CLOSED:  # collected, or ran to its end
+                return False
+            if attempt == 0:
+                del gen
+                gc.collect()  # an abandoned iterator caught in a reference cycle is not live
+        return True
 
     def __len__(self) -> int:
-        return len(self._remaining()) // self.world_size
+        return len(self._remaining_positions()) // self.world_size
 
     # ---------------------------------------------------------------- position
 
@@ -103,6 +183,7 @@ class ResumableSampler:
         """Record that every rank consumed ``samples_per_rank`` samples (call once per optimizer step)."""
         if samples_per_rank < 0:
             raise UsageError("cannot advance by a negative count")
+        self.moves += 1
         needed = samples_per_rank * self.world_size
         perm = self._permutation()
         bad = {int(s) for s in self.quarantined}
@@ -113,13 +194,25 @@ class ResumableSampler:
                 self.consumed += 1
             pos += 1
         self.position = pos
-        if len(self._remaining()) < self.world_size:  # the epoch is used up
-            self.epoch += 1
-            self.position = 0
-            self.consumed = 0
+        if len(self._remaining_positions()) < self.world_size:  # the epoch is used up
+            self.next_epoch()
+
+    def move_to(self, plan: Plan, per_rank: int) -> None:
+        """Every rank has consumed the first ``per_rank`` samples of its share of ``plan`` (exact even if
+        shards were quarantined after the plan was made)."""
+        if plan.epoch != self.epoch:
+            return  # the epoch already ended
+        self.moves += 1
+        taken = min(per_rank, plan.per_rank) * plan.world_size
+        if taken:
+            self.position = int(plan.positions[taken - 1]) + 1
+        self.consumed = plan.start_consumed + taken
+
+    def next_epoch(self) -> None:
+        self.epoch, self.position, self.consumed = self.epoch + 1, 0, 0
 
     def quarantine(self, shard: str | int) -> None:
-        """Skip every remaining sample of ``shard`` from now on (e.g. it yielded NaN)."""
+        """Skip every remaining sample of ``shard`` from the next iterator on (e.g. it yielded NaN)."""
         self.quarantined.add(str(shard))
 
     def set_epoch(self, epoch: int) -> None:
@@ -127,10 +220,21 @@ class ResumableSampler:
         if epoch != self.epoch:
             self.epoch, self.position, self.consumed = epoch, 0, 0
 
+    def position_problem(self) -> str | None:
+        """Why saving the position now would be wrong (samples handed out, position never moved), or None."""
+        if self.handed_out and not self.moves:
+            return (
+                f"the ResumableSampler handed out {self.handed_out} sample indices but its position never moved "
+                "(sampler.advance() was never called), so this checkpoint would make the resumed run re-read the "
+                "samples it already trained on. Call sampler.advance(len(batch)) after every optimizer step, or "
+                "use ckptfmt.torch.ResumableDataLoader, which counts the samples it hands to the trainer"
+            )
+        return None
+
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``data`` field's content (spec/fields.md)."""
+        """The ``data`` field's content (spec/fields.md): a global position, the same on every rank."""
         state: dict[str, Any] = {
             "epoch": self.epoch,
             "global_sample_offset": self.consumed,
@@ -150,7 +254,12 @@ class ResumableSampler:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the recorded position; rank and world size stay this process's own."""
+        """Resume at the recorded global position; rank and world size stay this process's own.
+
+        Everything is checked before anything changes.
+        """
+        if self.live:
+            raise UsageError("cannot load a data position while an iterator over the sampler is live")
         sampler = state.get("sampler")
         if not isinstance(sampler, Mapping) or sampler.get("kind") != "ckptfmt.resumable":
             raise ContextError("data field was not written by a ResumableSampler", field="data")
@@ -161,11 +270,25 @@ class ResumableSampler:
                     "would differ",
                     field="data",
                 )
-        self.shard_size = int(sampler.get("shard_size", self.num_samples))
-        self.epoch = int(state["epoch"])
-        self.consumed = int(state["global_sample_offset"])
-        self.position = int(sampler["position"])
-        self.quarantined = set(_strings(state.get("quarantined_shards", [])))
+        shard_size = sampler.get("shard_size", self.num_samples)
+        epoch, consumed, position = state.get("epoch"), state.get("global_sample_offset"), sampler.get("position")
+        for name, value, high in (
+            ("shard_size", shard_size, None),
+            ("epoch", epoch, None),
+            ("global_sample_offset", consumed, self.num_samples),
+            ("sampler.position", position, self.num_samples),
+        ):
+            if type(value) is not int or value < 0 or (high is not None and value > high):
+                raise ContextError(f"{name} must be an integer in range, got {value!r}", field="data")
+        assert isinstance(shard_size, int) and isinstance(epoch, int)
+        assert isinstance(consumed, int) and isinstance(position, int)
+        if shard_size == 0:
+            raise ContextError("shard_size must be positive", field="data")
+        quarantined = set(_strings(state.get("quarantined_shards", [])))
+        self.shard_size, self.epoch, self.consumed, self.position = shard_size, epoch, consumed, position
+        self.quarantined = quarantined
+        self.handed_out = self.moves = 0
+        self.plan = None
         self._perm_epoch = -1
 
 

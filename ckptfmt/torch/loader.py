@@ -1,0 +1,354 @@
+"""The data position of whatever feeds the trainer: a resumable DataLoader, and the adapters that save and
+restore the ``data`` field from it, a :class:`ResumableSampler`, a plain ``DataLoader`` or a stateful loader
+such as torchdata's ``StatefulDataLoader``.
+
+:class:`ResumableDataLoader` is a ``torch.utils.data.DataLoader`` whose state is the number of samples it
+has **handed to the trainer** — not what its workers prefetched — kept in a :class:`ResumableSampler` as a
+global position (so a run saved on N ranks resumes on M). The trainer writes no ``advance()`` call::
+
+    loader = ResumableDataLoader(dataset, batch_size=32, seed=1234, num_workers=4)
+    for inputs, targets in loader:   # a new iterator continues where the last batch handed out left off
+        ...
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from ..errors import ContextError, UsageError
+from .sampler import DatasetIdentity, Plan, ResumableSampler, default_rank_world
+
+log = logging.getLogger("ckptfmt")
+T = TypeVar("T")
+Policy = Literal["strict", "warn", "ignore"]
+LOADER_KIND = "ckptfmt.ResumableDataLoader"
+_MASK63 = (1 << 63) - 1
+
+
+class InexactResumeWarning(UserWarning):
+    """A resume (or a save) that will not reproduce the uninterrupted run; the message says why and the fix."""
+
+
+class ResumableDataLoader(DataLoader[T]):
+    """A ``DataLoader`` that resumes mid-epoch exactly, with no ``advance()`` call in the training loop.
+
+    Takes the DataLoader's own arguments plus ``seed`` (the shuffling order and the workers' seeds),
+    ``rank``/``world_size`` (default: the initialized ``torch.distributed`` process group, else 0/1),
+    ``shard_size`` and ``dataset_identity`` (see :class:`ResumableSampler`). Not accepted: ``sampler``,
+    ``batch_sampler``, ``generator`` (it seeds its own) and ``in_order=False`` (the position is a prefix
+    of the order). It never draws from torch's global RNG.
+
+    State (:meth:`state_dict`) is the ``data`` field: epoch, samples of the global order consumed by all
+    ranks together, seed. Each batch counts as consumed when ``next()`` returns it. A new iterator
+    continues at the position; an epoch ends when no further batch can be made from it. One live
+    iterator at a time (:class:`UsageError` otherwise). Randomness drawn in worker processes is seeded
+    per (seed, epoch, rank) — the same on every run — but restarts at a mid-epoch resume; randomness
+    drawn in the main process (``num_workers=0``) is in the checkpoint's ``rng`` field.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T],
+        batch_size: int | None = 1,
+        shuffle: bool = True,
+        *,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        shard_size: int | None = None,
+        dataset_identity: DatasetIdentity | None = None,
+        **refused: Any,
+    ) -> None:
+        for name in ("sampler", "batch_sampler", "generator"):
+            if refused.pop(name, None) is not None:
+                raise UsageError(
+                    f"ResumableDataLoader does not take {name}=: it builds its own seeded ResumableSampler and "
+                    "generator (pass seed=, shuffle=, rank=, world_size=); for a custom sampler use a DataLoader "
+                    "with a ResumableSampler and call sampler.advance() after every step"
+                )
+        if refused:
+            raise TypeError(f"unexpected arguments: {', '.join(sorted(refused))}")
+        if not in_order:
+            raise UsageError("ResumableDataLoader needs in_order=True: its position is a prefix of the sample order")
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise UsageError("ResumableDataLoader needs a map-style dataset with __len__")
+        if rank is None or world_size is None:
+            default_rank, default_world = default_rank_world()
+            rank = default_rank if rank is None else rank
+            world_size = default_world if world_size is None else world_size
+        sampler = ResumableSampler(
+            len(dataset),
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            shard_size=shard_size,
+            dataset=dataset_identity,
+        )
+        per_batch = batch_size or 1
+        if drop_last and len(sampler) < per_batch:
+            raise UsageError(
+                f"with drop_last=True no batch of {per_batch} fits in {len(sampler)} samples per rank: every epoch "
+                "would be empty"
+            )
+        self._generator = torch.Generator()
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=self._generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
+        self.resumable_sampler = sampler
+        self.seed = seed
+        self._per_batch = per_batch
+
+    @property
+    def epoch(self) -> int:
+        return self.resumable_sampler.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.resumable_sampler.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.resumable_sampler.world_size
+
+    def __iter__(self) -> Iterator[T]:  # type: ignore[override]
+        sampler = self.resumable_sampler
+        previous = self._iterator  # kept by the DataLoader only with persistent workers: it is reused, not a rival
+        if previous is not None:
+            previous._sampler_iter = None
+        if sampler.live:
+            sampler.__iter__()  # raises the two-live-iterators error, naming the fix
+        # The workers' base seed is drawn from this generator, never from torch's global one; seeded per
+        # (seed, epoch, rank) so that a resumed process gives an epoch's workers the seed they had before.
+        self._generator.manual_seed(_mix(self.seed, sampler.epoch, sampler.rank))
+        return _Handed(self, super().__iter__())
+
+    def _handed(self, it: _Handed[T]) -> None:
+        """``it`` gave the trainer one more batch: the position moves past it."""
+        sampler = self.resumable_sampler
+        plan = sampler.plan
+        if plan is None:  # cannot happen: a batch needs indices, which make a plan
+            return
+        if it.plan is not plan:
+            it.plan, it.batches = plan, 0
+        it.batches += 1
+        taken = min(it.batches * self._per_batch, plan.per_rank)
+        sampler.move_to(plan, taken)
+        left = plan.per_rank - taken
+        if plan.epoch == sampler.epoch and (left == 0 or (self.drop_last and left < self._per_batch)):
+            sampler.next_epoch()  # no further batch can be made from this epoch
+
+    def _finished(self, it: _Handed[T]) -> None:
+        sampler = self.resumable_sampler
+        plan = sampler.plan
+        if plan is not None and plan.epoch == sampler.epoch:  # an epoch that had no (further) batch to give
+            sampler.next_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``data`` field: the sampler's global position plus what this loader is."""
+        state = self.resumable_sampler.state_dict()
+        state["loader"] = {"kind": LOADER_KIND, "batch_size": self._per_batch, "drop_last": self.drop_last}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue at a saved global position (written on any number of ranks, by this loader or a
+        :class:`ResumableSampler`); the batch size may differ."""
+        self.resumable_sampler.load_state_dict(state)
+
+
+class _Handed(Iterator[T]):
+    """The DataLoader's iterator, telling the loader about every batch it hands to the trainer."""
+
+    def __init__(self, loader: ResumableDataLoader[T], inner: Iterator[T]) -> None:
+        self._loader = loader
+        self._inner = inner
+        self.plan: Plan | None = None
+        self.batches = 0
+
+    def __next__(self) -> T:
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._loader._finished(self)
+            raise
+        self._loader._handed(self)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+
+def _mix(seed: int, epoch: int, rank: int) -> int:
+    import hashlib
+
+    digest = hashlib.sha256(f"ckptfmt.loader:{seed}:{epoch}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & _MASK63
+
+
+# ------------------------------------------------------------------ the data field of any data source
+
+
+def _inner_sampler(loader: Any) -> Any:
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, ResumableSampler) and batch_sampler is not None:
+        sampler = getattr(batch_sampler, "sampler", sampler)  # DataLoader(batch_sampler=BatchSampler(sampler))
+    return sampler
+
+
+def _is_plain_loader(obj: Any) -> bool:
+    return isinstance(obj, DataLoader) and not isinstance(obj, ResumableDataLoader) and not hasattr(obj, "state_dict")
+
+
+def dataset_identity(source: Any) -> DatasetIdentity | None:
+    """The dataset identity a data source declares (compared with the checkpoint's on resume)."""
+    if isinstance(source, ResumableDataLoader):
+        return source.resumable_sampler.dataset
+    if _is_plain_loader(source):
+        source = _inner_sampler(source)
+    identity = getattr(source, "dataset", None)
+    return identity if isinstance(identity, DatasetIdentity) else None
+
+
+def _refuse_or_warn(message: str, policy: Policy) -> None:
+    if policy == "strict":
+        raise UsageError(message + ' (CheckpointManager(on_mismatch="warn") saves anyway, with a warning)')
+    if policy == "warn":
+        warnings.warn(message, InexactResumeWarning, stacklevel=4)
+
+
+def data_field(source: Any, *, policy: Policy = "strict", steps_passed: bool = True) -> dict[str, Any]:
+    """The ``data`` field from a data source; a source that would write a wrong position is refused under
+    ``policy="strict"`` (warned about under ``"warn"``).
+
+    ``steps_passed``: whether training steps ran since the last restore or save (a sampler that handed
+    out samples but never moved matters only then).
+    """
+    from . import state as torch_state
+
+    if isinstance(source, ResumableDataLoader):
+        return source.state_dict()
+    if _is_plain_loader(source):
+        inner = _inner_sampler(source)
+        if not isinstance(inner, ResumableSampler) and not hasattr(inner, "state_dict"):
+            _refuse_or_warn(
+                f"the DataLoader's sampler ({type(inner).__name__}) cannot report its position, so the resumed run "
+                "would restart the epoch and re-read samples already trained on. Use "
+                "ckptfmt.torch.ResumableDataLoader(dataset, batch_size=…, seed=…), or a DataLoader with "
+                "sampler=ResumableSampler(…) and sampler.advance(len(batch)) after every step",
+                policy,
+            )
+            return {"epoch": 0, "global_sample_offset": 0, "loader": {"kind": "torch.DataLoader", "exact": False}}
+        source = inner
+    if isinstance(source, ResumableSampler):
+        problem = source.position_problem() if steps_passed else None
+        if problem:
+            _refuse_or_warn(problem, policy)
+        return source.state_dict()
+    if not hasattr(source, "state_dict"):
+        raise UsageError(f"a {type(source).__name__} has no state_dict(): pass a ResumableDataLoader as loader=")
+    data = source.state_dict()
+    if isinstance(data, Mapping) and "epoch" in data and "global_sample_offset" in data:
+        return dict(data)
+    # A stateful loader with its own state shape (torchdata's StatefulDataLoader): kept whole under
+    # "loader", next to the required keys, filled in as well as the loader lets us.
+    yielded = data.get("_num_yielded", 0) if isinstance(data, Mapping) else 0
+    size = getattr(source, "batch_size", None) or 1
+    offset = int(getattr(source, "consumed", 0)) or (yielded * size if isinstance(yielded, int) else 0)
+    epoch = data.get("epoch", 0) if isinstance(data, Mapping) else 0
+    kind = f"{type(source).__module__}.{type(source).__qualname__}"
+    return {
+        "epoch": epoch if isinstance(epoch, int) and epoch >= 0 else 0,
+        "global_sample_offset": max(0, offset),
+        "loader": {"kind": kind, "state": torch_state._plain(data, "data.loader")},
+    }
+
+
+def inexact_resume_reasons(source: Any) -> list[str]:
+    """Why resuming into ``source`` would not reproduce the uninterrupted run (empty when it would)."""
+    if isinstance(source, (ResumableDataLoader, ResumableSampler)):
+        return []
+    reasons = []
+    if isinstance(source, DataLoader) and source.generator is None:
+        reasons.append(
+            f"the {type(source).__name__} has generator=None, so every iter(loader) draws its workers' base seed "
+            "(and a shuffling sampler's order) from torch's global RNG; the resumed process creates its iterator "
+            "at another step than the original did, so dropout masks and every other global draw after the resume "
+            "differ. Pass generator=torch.Generator().manual_seed(SEED), or use ckptfmt.torch.ResumableDataLoader"
+        )
+    if _is_plain_loader(source):
+        inner = _inner_sampler(source)
+        if not isinstance(inner, ResumableSampler) and not hasattr(inner, "load_state_dict"):
+            reasons.append(
+                f"the DataLoader's sampler ({type(inner).__name__}) cannot report its position, so the run restarts "
+                "the epoch and re-reads samples it already trained on. Use ckptfmt.torch.ResumableDataLoader, or "
+                "sampler=ResumableSampler(…) with sampler.advance(len(batch)) after every step"
+            )
+    return reasons
+
+
+def check_restorable(source: Any, data: Mapping[str, Any]) -> None:
+    """Refuse, before anything is applied, a data field that ``source`` cannot take; warn about inexact resumes."""
+    for reason in inexact_resume_reasons(source):
+        warnings.warn("resume will not be exact: " + reason, InexactResumeWarning, stacklevel=4)
+    target = _inner_sampler(source) if _is_plain_loader(source) else source
+    ours = isinstance(target, (ResumableDataLoader, ResumableSampler))
+    sampler = data.get("sampler")
+    written_by_us = isinstance(sampler, Mapping) and sampler.get("kind") == "ckptfmt.resumable"
+    if written_by_us and not ours and hasattr(target, "load_state_dict"):
+        raise UsageError(
+            f"the data field was written by a ResumableSampler/ResumableDataLoader; a {type(target).__name__} "
+            "cannot take it: resume with a ResumableDataLoader (or a ResumableSampler) with the same seed"
+        )
+    if ours and not written_by_us:
+        raise ContextError("data field was not written by a ResumableSampler or ResumableDataLoader", field="data")
+
+
+def restore_data(source: Any, data: Mapping[str, Any]) -> None:
+    """Put the data position back into ``source`` (after :func:`check_restorable`)."""
+    from . import state as torch_state
+
+    if _is_plain_loader(source):
+        source = _inner_sampler(source)
+        if not hasattr(source, "load_state_dict"):
+            return  # warned about in check_restorable: nothing can take the position
+    if isinstance(source, (ResumableDataLoader, ResumableSampler)):
+        source.load_state_dict(data)
+        return
+    loader = data.get("loader")
+    if isinstance(loader, Mapping) and "state" in loader and "kind" in loader:
+        source.load_state_dict(torch_state._torchify(loader["state"]))
+    elif loader is not None:
+        source.load_state_dict(torch_state._torchify(loader))  # written before "loader" had kind and state
+    else:
+        source.load_state_dict(torch_state._torchify(dict(data)))
