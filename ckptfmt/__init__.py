@@ -19,12 +19,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .canonical import canonical_json, config_hash
+from .collective import Collective, ThreadCollective
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
     ChunkLayoutError,
+    CollectiveError,
     ConfigHashMismatchError,
     ContextError,
     DigestMismatchError,
@@ -73,8 +75,13 @@ def open_writer(
     rank: int = 0,
     workers: int = 2,
     metadata: Mapping[str, str] | None = None,
+    collective: Collective | None = None,
 ) -> CheckpointWriter:
-    """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits."""
+    """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits.
+
+    With ``collective``, every rank of the group calls this with the same ``url`` and writes its own
+    tensors or chunks; rank 0 holds the lock and commits one manifest for all (a collective call).
+    """
     return CheckpointWriter(
         open_store(url, storage_options),
         profile=profile,
@@ -84,6 +91,7 @@ def open_writer(
         rank=rank,
         workers=workers,
         metadata=metadata,
+        collective=collective,
     )
 
 
@@ -110,6 +118,8 @@ __all__ = [
     "CheckpointWriter",
     "ChunkLayoutError",
     "ChunkRecord",
+    "Collective",
+    "CollectiveError",
     "ConfigHashMismatchError",
     "ContextError",
     "DTypeError",
@@ -130,6 +140,7 @@ __all__ = [
     "SourceFormatError",
     "StorageError",
     "TensorRecord",
+    "ThreadCollective",
     "UnsafePathError",
     "UnsupportedCodecError",
     "UnsupportedExtensionError",

@@ -32,7 +32,7 @@ def new_hasher(algorithm: str) -> Hasher:
 def digest_of(algorithm: str, data: bytes | memoryview) -> str:
     hasher = new_hasher(algorithm)
     hasher.update(data)
-    return f"{algorithm}:{hasher.hexdigest()}"
+    return format_digest(algorithm, hasher)
 
 
 def parse_digest(value: object) -> tuple[str, str] | None:
@@ -44,3 +44,13 @@ def parse_digest(value: object) -> tuple[str, str] | None:
     if length is None or len(hexpart) != length or _HEX.fullmatch(hexpart) is None:
         return None
     return algorithm, hexpart
+
+
+def algorithm_of(digest: str) -> str:
+    """The algorithm part of an ``algorithm:hex`` digest string."""
+    return digest.partition(":")[0]
+
+
+def format_digest(algorithm: str, hasher: Hasher) -> str:
+    """The ``algorithm:hex`` string of a finished hasher: the one place digest strings are made."""
+    return f"{algorithm}:{hasher.hexdigest()}"

@@ -202,12 +202,37 @@ class ResumeMismatchError(CheckpointError):
     code = "resume_mismatch"
 
 
+class CollectiveError(CheckpointError):
+    """A multi-rank save or load failed on some rank, or a rank did not answer in time; every rank raises it."""
+
+    code = "collective"
+
+
+def error_from_dict(doc: dict[str, str]) -> CheckpointError:
+    """Rebuild an error from :meth:`CheckpointError.to_dict` (how one rank's failure reaches every rank)."""
+    classes: dict[str, type[CheckpointError]] = {}
+    pending: list[type[CheckpointError]] = [CheckpointError]
+    while pending:
+        cls = pending.pop()
+        classes.setdefault(cls.code, cls)
+        pending.extend(cls.__subclasses__())
+    cls = classes.get(doc.get("code", ""), CollectiveError)
+    return cls(
+        str(doc.get("message", "")),
+        path=doc.get("path"),
+        field=doc.get("field"),
+        tensor=doc.get("tensor"),
+        requirement=doc.get("requirement"),
+    )
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointNotFoundError",
     "ChunkLayoutError",
+    "CollectiveError",
     "ConfigHashMismatchError",
     "ContextError",
     "DTypeError",
@@ -228,4 +253,5 @@ __all__ = [
     "UnsupportedExtensionError",
     "UnsupportedVersionError",
     "UsageError",
+    "error_from_dict",
 ]

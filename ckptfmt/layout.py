@@ -11,5 +11,7 @@ def data_path(field: str, rank: int, seq: int) -> str:
     return f"{field}/r{rank:05d}-{seq:05d}{DATA_SUFFIX}"
 
 
-def context_path(field: str) -> str:
-    return f"{field}/{CONTEXT_NAME}"
+def context_path(field: str, rank: int = 0) -> str:
+    """``<field>/context.msgpack``, or ``<field>/context.r<rank>.msgpack`` when a rank other than the
+    coordinator writes it, so two ranks never race for one name (the manifest refuses two blobs a field)."""
+    return f"{field}/{CONTEXT_NAME}" if rank == 0 else f"{field}/context.r{rank:05d}.msgpack"

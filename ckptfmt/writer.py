@@ -1,19 +1,25 @@
-"""The streaming writer, and the commit protocol (spec/commit.md) — the only place a checkpoint becomes visible.
+"""The checkpoint writer: the public face of the plan / execute / commit split.
+
+:class:`CheckpointWriter` validates and plans each call (:mod:`ckptfmt.plan`), streams full data
+files on a bounded pool (:mod:`ckptfmt.executor`), and at the end joins every rank's records into
+the manifest, which the committer writes create-only (:mod:`ckptfmt.commit`, spec/commit.md).
+
+One process, one rank: the writer is its own coordinator. Several ranks: each rank's writer writes
+its own data files in parallel; they exchange records through a :class:`~ckptfmt.collective.Collective`,
+and the coordinator (rank 0) holds the lock and commits. A failure on any rank aborts the save on
+every rank with the same error, and no manifest is written.
 
 Memory bound: besides the caller's own arrays, the writer holds references to at most
 ``workers + 1`` files' worth of pending tensors (never copies, except to make a non-contiguous or
 big-endian array contiguous little-endian, or a GPU tensor host-resident), one I/O slice of
-``SLICE_BYTES`` per worker thread, and the manifest records. Arrays passed in must therefore not be
-modified until the writer commits (or :meth:`CheckpointWriter.flush` returns).
+``SLICE_BYTES`` per worker thread, and the records. Arrays passed in must therefore not be modified
+until the writer commits (or :meth:`CheckpointWriter.flush` returns).
 """
 
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
@@ -21,54 +27,22 @@ from typing import Any
 import numpy as np
 
 from . import __version__, layout
-from . import chunks as geometry
-from .arrays import as_array, byte_view
+from .arrays import as_array
 from .canonical import config_hash, config_to_dict
+from .collective import Collective, decode_status, encode_status
+from .commit import Committer
 from .context import encode
 from .digests import DEFAULT_ALGORITHM, new_hasher
-from .errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointLockedError,
-    ChunkLayoutError,
-    MissingFieldError,
-    UsageError,
-)
+from .errors import CheckpointError, CollectiveError, UsageError
+from .executor import WriteExecutor
 from .fields import check_standard_field
-from .lock import WriterLock, read_lock
-from .manifest import (
-    ChunkRecord,
-    FieldRecord,
-    FileRecord,
-    Manifest,
-    TensorRecord,
-    checkpoint_id,
-    parse_manifest,
-)
-from .paths import LOCK_NAME, MANIFEST_NAME, check_field_name, tensor_name_problem
+from .paths import check_field_name
+from .plan import FilePlan, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES
-from .safetensors_io import build_header
 from .storage import Store
 
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
-SLICE_BYTES = 16 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    name: str
-    key: str
-    dtype: str
-    array: np.ndarray[Any, Any]
-    offsets: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _TensorState:
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: list[ChunkRecord]
-    sharded: bool
+COORDINATOR = 0
 
 
 def _now() -> str:
@@ -84,7 +58,12 @@ def default_provenance() -> dict[str, object]:
 
 
 class CheckpointWriter:
-    """Writes one checkpoint. Use as a context manager: leaving the block commits, an exception aborts."""
+    """Writes one checkpoint. Use as a context manager: leaving the block commits, an exception aborts.
+
+    With ``collective`` (several ranks), every rank constructs its writer, writes its own tensors
+    (chunks with global offsets) and contexts, and leaves the block; the constructor and
+    :meth:`commit` / :meth:`abort` are collective calls that every rank makes.
+    """
 
     def __init__(
         self,
@@ -97,67 +76,56 @@ class CheckpointWriter:
         rank: int = 0,
         workers: int = 2,
         metadata: Mapping[str, str] | None = None,
+        collective: Collective | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
         if target_file_size <= 0 or workers <= 0 or rank < 0:
             raise UsageError("target_file_size and workers must be positive, rank non-negative")
+        if collective is not None and collective.rank != rank:
+            rank = collective.rank
         new_hasher(digest)  # fail early on an unknown algorithm
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise UsageError("metadata must map strings to strings")
         self.store = store
         self.profile = profile
-        self.target_file_size = target_file_size
         self.digest = digest
         self.rank = rank
         self.metadata = dict(metadata or {})
-        self._tensors: dict[str, dict[str, _TensorState]] = {}
-        self._contexts: dict[str, str] = {}
-        self._pending: dict[str, list[_Pending]] = {}
-        self._pending_bytes: dict[str, int] = {}
-        self._seq: dict[str, int] = {}
-        self._files: dict[str, FileRecord] = {}
-        self._written: list[str] = []  # every path this writer published, for abort
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write")
-        self._inflight: list[Future[None]] = []
-        self._max_inflight = workers
-        self._closed = False
+        self.collective = collective
         self.checkpoint_id: str | None = None
-        self._old_files: dict[str, int] = {}
-        self._acquire(overwrite)
+        self._planner = RankPlanner(rank=rank, target_file_size=target_file_size)
+        self._arrays: dict[tuple[str, str], np.ndarray[Any, Any]] = {}  # (field, key) -> pending array
+        self._contexts: dict[str, str] = {}
+        self._closed = False
+        self._committer: Committer | None = None
+        self._executor = WriteExecutor(store, algorithm=digest, workers=workers)
+        try:
+            self._start(overwrite)
+        except BaseException:
+            self._executor.shutdown()
+            self._closed = True
+            raise
 
-    # ------------------------------------------------------------ lock and replace
+    @property
+    def is_coordinator(self) -> bool:
+        return self.collective is None or self.collective.rank == COORDINATOR
 
-    def _acquire(self, overwrite: bool) -> None:
-        self._holder = WriterLock.mine()
-        for attempt in range(2):
+    def _start(self, overwrite: bool) -> None:
+        """Step 1 of the commit protocol on the coordinator; the other ranks learn its outcome."""
+        if self.collective is None:
+            self._committer = Committer(self.store, overwrite=overwrite)
+            return
+        error: CheckpointError | None = None
+        if self.is_coordinator:
             try:
-                self.store.put_exclusive(LOCK_NAME, self._holder.to_bytes())
-                break
-            except FileExistsError:
-                current = read_lock(self.store)
-                if attempt == 0 and current is not None and current.holder_is_dead():
-                    self.store.delete(LOCK_NAME)  # a stale lock: its holder is known to be gone
-                    continue
-                self._pool.shutdown()
-                holder = current.describe() if current is not None else "holder unknown"
-                raise CheckpointLockedError(
-                    f"another writer holds {LOCK_NAME} ({holder}); if it is dead, "
-                    "remove the lock (`ckpt gc`) or wait for it",
-                    path=self.store.url,
-                ) from None
-        if self.store.exists(MANIFEST_NAME):
-            if not overwrite:
-                self.store.delete(LOCK_NAME)
-                self._pool.shutdown()
-                raise CheckpointExistsError(
-                    "a committed checkpoint is already here; pass overwrite=True to replace it",
-                    path=self.store.url,
-                )
-            # Replace: un-commit first, so no reader ever sees the old manifest over new data files.
-            self._old_files = self.store.list()
-            self.store.delete(MANIFEST_NAME)
+                self._committer = Committer(self.store, overwrite=overwrite)
+            except CheckpointError as exc:
+                error = exc
+        status = self.collective.broadcast(encode_status(error) if self.is_coordinator else None, src=COORDINATOR)
+        if error is not None:
+            raise error
+        decode_status(status)
 
     # ------------------------------------------------------------ public API
 
@@ -172,72 +140,33 @@ class CheckpointWriter:
     ) -> None:
         """Add one tensor, or one chunk of a sharded tensor (``global_shape`` and ``offsets`` given)."""
         self._check_open()
-        self._raise_background_error()
+        self._executor.raise_background_error()
         check_field_name(field)
-        problem = tensor_name_problem(name)
-        if problem:
-            raise UsageError(problem, field=field, tensor=name)
         data, dtype = as_array(array)
-        shape = tuple(int(d) for d in data.shape)
-        if (global_shape is None) != (offsets is None):
-            raise UsageError("give both global_shape and offsets for a chunk, or neither", field=field, tensor=name)
-        gshape = shape if global_shape is None else tuple(int(d) for d in global_shape)
-        offs = (0,) * len(shape) if offsets is None else tuple(int(o) for o in offsets)
-        if len(gshape) != len(shape) or len(offs) != len(shape):
-            raise UsageError(
-                f"chunk of rank {len(shape)} does not match global_shape {list(gshape)} / offsets {list(offs)}",
-                field=field,
-                tensor=name,
-            )
-        for d in range(len(shape)):
-            if offs[d] < 0 or offs[d] + shape[d] > gshape[d]:
-                raise ChunkLayoutError(
-                    f"chunk of shape {list(shape)} at {list(offs)} lies outside {list(gshape)}",
-                    field=field,
-                    tensor=name,
-                )
-        sharded = global_shape is not None
-        tensors = self._tensors.setdefault(field, {})
-        state = tensors.get(name)
-        if state is None:
-            tensors[name] = _TensorState(dtype=dtype, shape=gshape, chunks=[], sharded=sharded)
-        elif not (state.sharded and sharded):
-            raise UsageError("tensor was already written", field=field, tensor=name)
-        elif state.dtype != dtype or state.shape != gshape:
-            raise UsageError(
-                f"chunk is {dtype}{list(gshape)} but earlier chunks said {state.dtype}{list(state.shape)}",
-                field=field,
-                tensor=name,
-            )
-        whole = offs == (0,) * len(shape) and shape == gshape
-        key = name if whole else f"{name}@{','.join(map(str, offs))}"
-        nbytes = data.nbytes
-        pending = self._pending.setdefault(field, [])
-        if pending and self._pending_bytes[field] + nbytes > self.target_file_size:
-            self._flush_field(field)
-            pending = self._pending.setdefault(field, [])
-        clash = next((p for p in pending if p.key == key), None)
-        if clash is not None and clash.name == name:
-            raise UsageError(f"chunk at {list(offs)} was already written", field=field, tensor=name)
-        if clash is not None:
-            # A tensor named like another's chunk key ("t@0"): keys need only be unique within a file.
-            self._flush_field(field)
-            pending = self._pending.setdefault(field, [])
-        pending.append(_Pending(name=name, key=key, dtype=dtype, array=data, offsets=offs))
-        self._pending_bytes[field] = self._pending_bytes.get(field, 0) + nbytes
+        entry, full = self._planner.add(
+            field,
+            name,
+            dtype=dtype,
+            shape=data.shape,
+            nbytes=data.nbytes,
+            global_shape=global_shape,
+            offsets=offsets,
+        )
+        for plan in full:
+            self._submit(plan)
+        self._arrays[(field, entry.key)] = data
 
     def write_tensors(self, field: str, tensors: Mapping[str, object]) -> None:
         """Add a mapping of tensors to a field (an empty mapping declares an empty tensor field)."""
         self._check_open()
-        check_field_name(field)
-        self._tensors.setdefault(field, {})
+        self._planner.declare_field(field)
         for name, array in tensors.items():
             self.write_tensor(field, name, array)
 
     def write_context(self, field: str, value: Mapping[str, object]) -> None:
-        """Store a field's context map (alone, or beside the field's tensors)."""
+        """Store a field's context map (alone, or beside the field's tensors). One rank per field."""
         self._check_open()
-        self._raise_background_error()
+        self._executor.raise_background_error()
         check_field_name(field)
         if field in self._contexts:
             raise UsageError("context was already written", field=field)
@@ -247,8 +176,8 @@ class CheckpointWriter:
             value = {**default_provenance(), **value}
         check_standard_field(field, value)
         data = encode(value, where=f"field {field!r}")
-        path = layout.context_path(field)
-        self._publish(path, [memoryview(data)], [])
+        path = layout.context_path(field, self.rank if self.collective is not None else 0)
+        self._executor.write_blob(path, data)
         self._contexts[field] = path
 
     def write_config(self, config: object) -> None:
@@ -259,58 +188,57 @@ class CheckpointWriter:
     def flush(self) -> None:
         """Write every pending tensor and wait until its file is durable."""
         self._check_open()
-        for field in list(self._pending):
-            if self._pending[field]:
-                self._flush_field(field)
-        self._drain(0)
+        for plan in self._planner.finish():
+            self._submit(plan)
+        self._executor.drain(0)
+
+    def result(self) -> RankResult:
+        """This rank's records so far (after :meth:`flush`): what it hands the coordinator."""
+        return RankResult(
+            rank=self.rank,
+            files=tuple(self._executor.files[p] for p in sorted(self._executor.files)),
+            chunks=tuple(self._executor.chunks),
+            contexts=dict(self._contexts),
+            tensor_fields=tuple(sorted(self._planner.tensors)),
+        )
 
     def commit(self) -> str:
-        """Finish the checkpoint: flush, check completeness, write the manifest. Returns the checkpoint id."""
+        """Finish the checkpoint: flush, check completeness, write the manifest. Returns the checkpoint id.
+
+        With several ranks this is a collective call; every rank returns the same id or raises the
+        same error.
+        """
         self._check_open()
         try:
             self.flush()
-            if "provenance" not in self._contexts and "provenance" in PROFILES[self.profile]:
+            if self.is_coordinator and "provenance" not in self._contexts and "provenance" in PROFILES[self.profile]:
                 self.write_context("provenance", {})
-            manifest = self._build_manifest()
-            data = manifest.to_bytes()
-            parse_manifest(data)  # never commit what a reader would refuse
-            self.store.sync_dirs(self._written)
-            try:
-                self.store.put_exclusive(MANIFEST_NAME, data)
-            except FileExistsError:
-                raise CheckpointExistsError(
-                    "another writer committed a checkpoint here first", path=self.store.url
-                ) from None
-        except BaseException:
-            self.abort()
+            mine = self.result()
+        except BaseException as exc:
+            self._fail(exc)
             raise
+        if self.collective is None:
+            assert self._committer is not None
+            try:
+                manifest = merge_results([mine], profile=self.profile, metadata=self.metadata)
+                self.checkpoint_id = self._committer.commit(manifest, self._executor.written)
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.checkpoint_id = self._commit_collective(mine)
         self._closed = True
-        self._pool.shutdown()
-        keep = {f.path for f in manifest.files}
-        for path in self._old_files:
-            if path not in keep and path not in (MANIFEST_NAME, LOCK_NAME):
-                self.store.delete(path)
-        self.store.delete(LOCK_NAME)
-        self.checkpoint_id = checkpoint_id(data)
+        self._executor.shutdown()
         return self.checkpoint_id
 
     def abort(self) -> None:
-        """Discard everything written; no manifest is left. Safe to call more than once."""
+        """Discard everything written; no manifest is left. Safe to call more than once.
+
+        With several ranks this is a collective call: the other ranks' :meth:`commit` fails too.
+        """
         if self._closed:
             return
-        self._closed = True
-        for future in self._inflight:
-            future.exception()  # wait; errors are moot once aborting
-        self._inflight.clear()
-        self._pool.shutdown()
-        try:
-            for path in self._written:
-                self.store.delete(path)
-            self.store.delete(LOCK_NAME)
-        except CheckpointError:
-            # Storage is unreachable: stop trying (each attempt waits out retries). What is left is an
-            # incomplete checkpoint that gc removes, and this process may take over its own lock.
-            self._holder.abandon()
+        self._fail(UsageError("the save was aborted"))
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -320,8 +248,8 @@ class CheckpointWriter:
     ) -> None:
         if exc_type is None:
             self.commit()
-        else:
-            self.abort()
+        elif not self._closed:
+            self._fail(exc if exc is not None else UsageError("the save was aborted"))
 
     # ------------------------------------------------------------ internals
 
@@ -329,97 +257,70 @@ class CheckpointWriter:
         if self._closed:
             raise UsageError("the writer is closed (committed or aborted)")
 
-    def _raise_background_error(self) -> None:
-        for future in self._inflight:
-            if future.done() and future.exception() is not None:
-                self._drain(0)
+    def _submit(self, plan: FilePlan) -> None:
+        arrays = [self._arrays.pop((plan.field, e.key)) for e in plan.entries]
+        self._executor.submit(plan, arrays)
 
-    def _drain(self, keep: int) -> None:
-        while len(self._inflight) > keep:
-            future = self._inflight.pop(0)
-            future.result()
+    def _fail(self, exc: BaseException) -> None:
+        """Abort this rank's part; with several ranks, tell the coordinator, so every rank aborts."""
+        self._closed = True
+        self._executor.shutdown()
+        if self.collective is not None:
+            error = exc if isinstance(exc, CheckpointError) else CollectiveError(f"rank {self.rank} failed: {exc!r}")
+            try:
+                self._exchange(encode_status(error))
+            except CheckpointError:
+                pass  # the save is failing anyway; this rank raises its own error
+        self._clean_up(self._executor.written)
 
-    def _flush_field(self, field: str) -> None:
-        pending = self._pending.pop(field)
-        self._pending_bytes[field] = 0
-        seq = self._seq.get(field, 0)
-        self._seq[field] = seq + 1
-        path = layout.data_path(field, self.rank, seq)
-        self._drain(self._max_inflight - 1)
-        self._inflight.append(self._pool.submit(self._write_data_file, field, path, pending))
-
-    def _write_data_file(self, field: str, path: str, pending: list[_Pending]) -> None:
-        header, starts = build_header([(p.key, p.dtype, tuple(p.array.shape), p.array.nbytes) for p in pending])
-        views = [byte_view(p.array) for p in pending]
-        records = self._publish(path, [memoryview(header), *views], starts, chunk_views=len(pending))
-        with self._lock:
-            tensors = self._tensors[field]
-            for p, (begin, end, digest) in zip(pending, records, strict=True):
-                tensors[p.name].chunks.append(
-                    ChunkRecord(
-                        path=path,
-                        key=p.key,
-                        offsets=p.offsets,
-                        shape=tuple(p.array.shape),
-                        begin=begin,
-                        end=end,
-                        digest=digest,
-                    )
-                )
-
-    def _publish(
-        self, path: str, parts: list[memoryview], starts: list[int], chunk_views: int = 0
-    ) -> list[tuple[int, int, str]]:
-        """Stream ``parts`` into a new file, hashing the file and each chunk part in the same pass."""
-        out = self.store.create(path)
-        file_hash = new_hasher(self.digest)
-        chunk_records = []
+    def _clean_up(self, paths: list[str]) -> None:
+        """Delete ``paths`` (and, on the coordinator, the lock); stop at the first storage failure."""
+        if self._committer is not None:
+            self._committer.abort(paths)
+            return
         try:
-            position = 0
-            for index, part in enumerate(parts):
-                is_chunk = index >= len(parts) - chunk_views
-                chunk_hash = new_hasher(self.digest) if is_chunk else None
-                for lo in range(0, len(part), SLICE_BYTES):
-                    piece = part[lo : lo + SLICE_BYTES]
-                    file_hash.update(piece)
-                    if chunk_hash is not None:
-                        chunk_hash.update(piece)
-                    out.write(piece)
-                if chunk_hash is not None:
-                    chunk_records.append((position, position + len(part), f"{self.digest}:{chunk_hash.hexdigest()}"))
-                position += len(part)
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        with self._lock:
-            self._written.append(path)
-            self._files[path] = FileRecord(path=path, size=position, digest=f"{self.digest}:{file_hash.hexdigest()}")
-        assert not starts or [r[0] for r in chunk_records] == starts
-        return chunk_records
+            for path in paths:
+                self.store.delete(path)
+        except CheckpointError:
+            pass  # unreachable storage: what is left is an incomplete checkpoint that gc removes
 
-    def _build_manifest(self) -> Manifest:
-        fields: dict[str, FieldRecord] = {}
-        for name in sorted(set(self._tensors) | set(self._contexts)):
-            context = self._contexts.get(name)
-            if name not in self._tensors:
-                fields[name] = FieldRecord(kind="context", context=context)
-                continue
-            tensors: dict[str, TensorRecord] = {}
-            for tname, state in self._tensors[name].items():
-                chunk_list = sorted(state.chunks, key=lambda c: c.offsets)
-                problem = geometry.coverage_problem(state.shape, [(c.offsets, c.shape) for c in chunk_list])
-                if problem:
-                    raise ChunkLayoutError(
-                        f"chunks do not tile shape {list(state.shape)}: {problem}", field=name, tensor=tname
-                    )
-                tensors[tname] = TensorRecord(dtype=state.dtype, shape=state.shape, chunks=tuple(chunk_list))
-            fields[name] = FieldRecord(kind="tensors", tensors=tensors, context=context)
-        for name, kind in PROFILES[self.profile].items():
-            if name not in fields or fields[name].kind != kind:
-                raise MissingFieldError(
-                    f"profile {self.profile!r} requires field {name!r} of kind {kind!r}; nothing was committed",
-                    field=name,
-                )
-        files = tuple(self._files[p] for p in sorted(self._files))
-        return Manifest(profile=self.profile, files=files, fields=fields, metadata=self.metadata)
+    def _exchange(self, mine: bytes) -> bytes:
+        """Gather every rank's result on the coordinator, which commits; broadcast its outcome."""
+        assert self.collective is not None
+        gathered = self.collective.gather(mine, dst=COORDINATOR)
+        outcome: bytes | None = None
+        if gathered is not None:
+            outcome = self._coordinate(gathered)
+        return self.collective.broadcast(outcome, src=COORDINATOR)
+
+    def _coordinate(self, gathered: list[bytes]) -> bytes:
+        """On the coordinator: commit if every rank succeeded, else clean up every rank's files."""
+        assert self._committer is not None
+        results: list[RankResult] = []
+        error: CheckpointError | None = None
+        for rank, data in enumerate(gathered):
+            try:
+                status = decode_status(data)
+                results.append(RankResult.from_bytes(str(status["result"]).encode("utf-8")))
+            except CheckpointError as exc:
+                error = error or exc.locate(path=f"rank {rank}")
+        if error is None:
+            try:
+                manifest = merge_results(results, profile=self.profile, metadata=self.metadata)
+                written = [f.path for r in results for f in r.files]
+                return encode_status(None, checkpoint_id=self._committer.commit(manifest, written))
+            except CheckpointError as exc:
+                error = exc
+        self._clean_up([f.path for r in results for f in r.files])
+        return encode_status(error)
+
+    def _commit_collective(self, mine: RankResult) -> str:
+        try:
+            status = decode_status(self._exchange(encode_status(None, result=mine.to_bytes().decode("utf-8"))))
+        except CheckpointError:
+            self._closed = True
+            self._executor.shutdown()
+            if not self.is_coordinator:  # the coordinator cleaned up every rank's files already
+                self._clean_up(self._executor.written)
+            raise
+        return str(status["checkpoint_id"])

@@ -1,0 +1,112 @@
+"""What a multi-rank save or load needs from its process group: two byte-level collectives.
+
+Ranks exchange canonical JSON (their file and chunk records, a status), never pickles. Any transport
+that can broadcast and gather bytes serves: ``ckptfmt.torch`` implements :class:`Collective` over
+``torch.distributed`` (gloo or NCCL); :class:`ThreadCollective` runs ranks as threads of one process
+(tests, and single-host tools); an MPI or RPC implementation is a dozen lines.
+
+A collective MUST raise (a :class:`~ckptfmt.errors.CollectiveError`) rather than block forever when
+a rank is gone: every rank then fails the save with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Protocol, runtime_checkable
+
+from .errors import CheckpointError, CollectiveError, error_from_dict
+from .jsonio import load_json
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """A process group of ``world_size`` ranks; this process is ``rank``. Every rank calls each method."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
+        """``src`` passes bytes; every rank (``src`` included) returns them."""
+        ...
+
+    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        """Every rank passes bytes; ``dst`` returns them in rank order, the others None."""
+        ...
+
+
+def encode_status(error: CheckpointError | None, **ok: object) -> bytes:
+    """A rank's or the coordinator's outcome as bytes: ``{"ok": {...}}`` or ``{"error": {...}}``."""
+    doc = {"error": error.to_dict()} if error is not None else {"ok": ok}
+    return json.dumps(doc, sort_keys=True).encode("utf-8")
+
+
+def decode_status(data: bytes) -> dict[str, object]:
+    """The ``ok`` member of a status, or raise the error it carries (the same error on every rank)."""
+    doc = load_json(data, error=CollectiveError, what="a rank's status")
+    if not isinstance(doc, dict):
+        raise CollectiveError("a rank's status is not an object")
+    if "error" in doc:
+        raise error_from_dict({str(k): str(v) for k, v in dict(doc["error"]).items()})
+    ok = doc.get("ok")
+    return dict(ok) if isinstance(ok, dict) else {}
+
+
+class ThreadCollective:
+    """Ranks as threads of one process: ``ThreadCollective.group(n)`` makes one handle per rank."""
+
+    def __init__(self, rank: int, shared: _Shared) -> None:
+        self._rank = rank
+        self._shared = shared
+
+    @classmethod
+    def group(cls, world_size: int, *, timeout: float = 60.0) -> list[ThreadCollective]:
+        shared = _Shared(world_size, timeout)
+        return [cls(r, shared) for r in range(world_size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._shared.world_size
+
+    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
+        slots = self._shared.exchange(self._rank, data)
+        value = slots[src]
+        if value is None:
+            raise CollectiveError(f"rank {src} broadcast nothing")
+        return value
+
+    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        slots = self._shared.exchange(self._rank, data)
+        return [s if s is not None else b"" for s in slots] if self._rank == dst else None
+
+    def abandon(self) -> None:
+        """Simulate this rank dying: every rank waiting in a collective fails instead of hanging."""
+        self._shared.barrier.abort()
+
+
+class _Shared:
+    def __init__(self, world_size: int, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.barrier = threading.Barrier(world_size)
+        self.slots: list[bytes | None] = [None] * world_size
+
+    def exchange(self, rank: int, data: bytes | None) -> list[bytes | None]:
+        try:
+            self.barrier.wait(self.timeout)  # everyone arrived, previous round fully read
+            self.slots[rank] = data
+            self.barrier.wait(self.timeout)  # everyone wrote
+            out = list(self.slots)
+            self.barrier.wait(self.timeout)  # everyone read
+        except threading.BrokenBarrierError:
+            raise CollectiveError(
+                f"rank {rank}: another rank failed or did not answer within {self.timeout:g} s"
+            ) from None
+        return out

@@ -1,0 +1,88 @@
+"""The committer: the commit protocol of spec/commit.md, in exactly one place.
+
+It alone takes and releases the writer lock (step 1), refuses or un-commits an existing checkpoint
+(step 2), writes the manifest create-only after syncing every directory it lists (steps 4-5),
+deletes a replaced checkpoint's leftovers (step 6), and cleans up on abort. It never sees tensor data.
+
+With several ranks, only the coordinator (rank 0 by default) has a committer: the other ranks write
+their data files under the coordinator's lock and hand it their records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .errors import CheckpointError, CheckpointExistsError, CheckpointLockedError
+from .lock import WriterLock, read_lock
+from .manifest import Manifest, checkpoint_id, parse_manifest
+from .paths import LOCK_NAME, MANIFEST_NAME
+from .storage import Store
+
+
+class Committer:
+    """Holds ``store``'s writer lock from construction until :meth:`commit` or :meth:`abort`."""
+
+    def __init__(self, store: Store, *, overwrite: bool = False) -> None:
+        self.store = store
+        self.holder = WriterLock.mine()
+        self.old_files: dict[str, int] = {}
+        self._acquire(overwrite)
+
+    def _acquire(self, overwrite: bool) -> None:
+        for attempt in range(2):
+            try:
+                self.store.put_exclusive(LOCK_NAME, self.holder.to_bytes())
+                break
+            except FileExistsError:
+                current = read_lock(self.store)
+                if attempt == 0 and current is not None and current.holder_is_dead():
+                    self.store.delete(LOCK_NAME)  # a stale lock: its holder is known to be gone
+                    continue
+                holder = current.describe() if current is not None else "holder unknown"
+                raise CheckpointLockedError(
+                    f"another writer holds {LOCK_NAME} ({holder}); if it is dead, "
+                    "remove the lock (`ckpt gc`) or wait for it",
+                    path=self.store.url,
+                ) from None
+        if self.store.exists(MANIFEST_NAME):
+            if not overwrite:
+                self.store.delete(LOCK_NAME)
+                raise CheckpointExistsError(
+                    "a committed checkpoint is already here; pass overwrite=True to replace it",
+                    path=self.store.url,
+                )
+            # Replace: un-commit first, so no reader ever sees the old manifest over new data files.
+            self.old_files = self.store.list()
+            self.store.delete(MANIFEST_NAME)
+
+    def commit(self, manifest: Manifest, written: Iterable[str]) -> str:
+        """Write ``manifest`` create-only once every file in ``written`` is durable; returns the checkpoint id.
+
+        On failure nothing is committed and the error propagates; the caller aborts.
+        """
+        data = manifest.to_bytes()
+        parse_manifest(data)  # never commit what a reader would refuse
+        self.store.sync_dirs(written)
+        try:
+            self.store.put_exclusive(MANIFEST_NAME, data)
+        except FileExistsError:
+            raise CheckpointExistsError(
+                "another writer committed a checkpoint here first", path=self.store.url
+            ) from None
+        keep = {f.path for f in manifest.files}
+        for path in self.old_files:
+            if path not in keep and path not in (MANIFEST_NAME, LOCK_NAME):
+                self.store.delete(path)
+        self.store.delete(LOCK_NAME)
+        return checkpoint_id(data)
+
+    def abort(self, written: Iterable[str]) -> None:
+        """Delete every file in ``written`` and the lock; no manifest is left."""
+        try:
+            for path in written:
+                self.store.delete(path)
+            self.store.delete(LOCK_NAME)
+        except CheckpointError:
+            # Storage is unreachable: stop trying (each attempt waits out retries). What is left is an
+            # incomplete checkpoint that gc removes, and this process may take over its own lock.
+            self.holder.abandon()

@@ -1,0 +1,153 @@
+"""Executing plans against a Store: the only layer that moves tensor bytes (plan / execute / commit split).
+
+Writes run on one bounded thread pool per writer; each data file is streamed once, with the file
+digest and every chunk digest computed in the same pass as the write (xxhash and file I/O release
+the GIL, so the pool gives real parallelism). Reads fetch exactly the byte ranges of the chunks a
+read plan names and check each chunk's digest over exactly the bytes read.
+
+Memory bound of a write: references (never copies) to the arrays of at most ``workers + 1`` files,
+plus one ``SLICE_BYTES`` slice in flight per worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .arrays import byte_view
+from .digests import algorithm_of, format_digest, new_hasher
+from .errors import DigestMismatchError
+from .manifest import ChunkRecord, FileRecord
+from .plan import FilePlan, PlacedChunk
+from .safetensors_io import build_header
+from .storage import Store
+
+SLICE_BYTES = 16 << 20
+
+
+def stream_file(
+    store: Store, path: str, parts: Sequence[memoryview], *, chunk_parts: int, algorithm: str
+) -> tuple[FileRecord, list[tuple[int, int, str]]]:
+    """Write ``parts`` back to back as a new file, durably; the last ``chunk_parts`` parts are chunks.
+
+    Returns the file record and each chunk's ``(begin, end, digest)``, all hashed in the same pass.
+    """
+    out = store.create(path)
+    file_hash = new_hasher(algorithm)
+    spans: list[tuple[int, int, str]] = []
+    position = 0
+    try:
+        for index, part in enumerate(parts):
+            chunk_hash = new_hasher(algorithm) if index >= len(parts) - chunk_parts else None
+            for lo in range(0, len(part), SLICE_BYTES):
+                piece = part[lo : lo + SLICE_BYTES]
+                file_hash.update(piece)
+                if chunk_hash is not None:
+                    chunk_hash.update(piece)
+                out.write(piece)
+            if chunk_hash is not None:
+                spans.append((position, position + len(part), format_digest(algorithm, chunk_hash)))
+            position += len(part)
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    return FileRecord(path=path, size=position, digest=format_digest(algorithm, file_hash)), spans
+
+
+class WriteExecutor:
+    """Runs one rank's file plans on a bounded pool and collects the records of what it wrote."""
+
+    def __init__(self, store: Store, *, algorithm: str, workers: int) -> None:
+        self.store = store
+        self.algorithm = algorithm
+        self.files: dict[str, FileRecord] = {}
+        self.chunks: list[PlacedChunk] = []
+        self.written: list[str] = []  # every path published, in order, for abort
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write")
+        self._inflight: list[Future[None]] = []
+        self._max_inflight = workers
+
+    def submit(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
+        """Queue one data file; blocks while ``workers`` files are already in flight (the memory bound)."""
+        self.drain(self._max_inflight - 1)
+        self._inflight.append(self._pool.submit(self._write_data_file, plan, arrays))
+
+    def write_blob(self, path: str, data: bytes) -> FileRecord:
+        """Write a small blob (a context map) synchronously."""
+        record, _ = stream_file(self.store, path, [memoryview(data)], chunk_parts=0, algorithm=self.algorithm)
+        self._record(record)
+        return record
+
+    def raise_background_error(self) -> None:
+        """Re-raise the first failure of a finished background write, if any."""
+        if any(f.done() and f.exception() is not None for f in self._inflight):
+            self.drain(0)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` files are in flight, raising the first failure."""
+        while len(self._inflight) > keep:
+            self._inflight.pop(0).result()
+
+    def shutdown(self) -> None:
+        """Wait for every write (errors are moot here: the caller is committing or aborting)."""
+        for future in self._inflight:
+            future.exception()
+        self._inflight.clear()
+        self._pool.shutdown()
+
+    def _record(self, record: FileRecord) -> None:
+        with self._lock:
+            self.written.append(record.path)
+            self.files[record.path] = record
+
+    def _write_data_file(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
+        header, starts = build_header([(e.key, e.dtype, e.shape, e.nbytes) for e in plan.entries])
+        views = [byte_view(a) for a in arrays]
+        record, spans = stream_file(
+            self.store, plan.path, [memoryview(header), *views], chunk_parts=len(views), algorithm=self.algorithm
+        )
+        assert [s[0] for s in spans] == starts
+        placed = [
+            PlacedChunk(
+                field=e.field,
+                tensor=e.tensor,
+                dtype=e.dtype,
+                global_shape=e.global_shape,
+                chunk=ChunkRecord(
+                    path=plan.path,
+                    key=e.key,
+                    offsets=e.offsets,
+                    shape=e.shape,
+                    begin=begin,
+                    end=end,
+                    digest=digest,
+                ),
+            )
+            for e, (begin, end, digest) in zip(plan.entries, spans, strict=True)
+        ]
+        self._record(record)
+        with self._lock:
+            self.chunks.extend(placed)
+
+
+def read_chunk_into(store: Store, chunk: ChunkRecord, out: memoryview, *, verify: bool) -> None:
+    """Fetch one chunk's stored bytes into ``out`` (exactly its size) and check its digest."""
+    store.read_into(chunk.path, chunk.begin, out)
+    if verify:
+        hasher = new_hasher(algorithm_of(chunk.digest))
+        hasher.update(out)
+        actual = format_digest(algorithm_of(chunk.digest), hasher)
+        if actual != chunk.digest:
+            raise DigestMismatchError(
+                f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
+                path=chunk.path,
+            )
+
+
+__all__ = ["SLICE_BYTES", "WriteExecutor", "read_chunk_into", "stream_file"]

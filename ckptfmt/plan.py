@@ -1,0 +1,336 @@
+"""Planning: what to write and what to read, with no I/O (the planner of the plan / execute / commit split).
+
+Write side, per rank: :class:`RankPlanner` turns the caller's ``write_tensor`` calls into
+:class:`FilePlan` records (which chunks go into which data file, in which order), checking names,
+shapes and chunk bounds as they arrive. After the executor has written the files, each rank holds a
+:class:`RankResult` (its file and chunk records); :func:`merge_results` is the global step that
+joins every rank's results, checks that the chunks tile each tensor exactly and builds the manifest.
+
+Read side: :func:`plan_region` says which chunks a region of a tensor needs and where each lands.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import chunks as geometry
+from . import layout
+from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
+from .manifest import ChunkRecord, Codec, FieldRecord, FileRecord, Manifest, TensorRecord
+from .paths import check_field_name, tensor_name_problem
+from .profiles import PROFILES
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EntryPlan:
+    """One chunk to store as one safetensors entry."""
+
+    field: str
+    tensor: str
+    key: str
+    dtype: str
+    shape: Shape
+    offsets: Shape
+    global_shape: Shape
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FilePlan:
+    """One data file: its entries in storage order (the header is built from them when it is written)."""
+
+    field: str
+    path: str
+    entries: tuple[EntryPlan, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacedChunk:
+    """A written chunk with the tensor it belongs to, as a rank reports it to the coordinator."""
+
+    field: str
+    tensor: str
+    dtype: str
+    global_shape: Shape
+    chunk: ChunkRecord
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "field": self.field,
+            "tensor": self.tensor,
+            "dtype": self.dtype,
+            "global_shape": list(self.global_shape),
+            "chunk": self.chunk.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankResult:
+    """Everything one rank wrote: what the coordinator needs to commit. Travels as canonical JSON."""
+
+    rank: int
+    files: tuple[FileRecord, ...] = ()
+    chunks: tuple[PlacedChunk, ...] = ()
+    contexts: Mapping[str, str] = field(default_factory=dict)  # field -> context blob path
+    tensor_fields: tuple[str, ...] = ()  # tensor fields this rank declared, possibly with no tensors
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "rank": self.rank,
+            "files": [f.to_dict() for f in self.files],
+            "chunks": [c.to_dict() for c in self.chunks],
+            "contexts": dict(self.contexts),
+            "tensor_fields": list(self.tensor_fields),
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RankResult:
+        from .jsonio import load_json
+
+        doc = load_json(data, error=ManifestError, what="a rank's result")
+        try:
+            return cls(
+                rank=int(doc["rank"]),
+                files=tuple(
+                    FileRecord(path=str(f["path"]), size=int(f["size"]), digest=str(f["digest"])) for f in doc["files"]
+                ),
+                chunks=tuple(
+                    PlacedChunk(
+                        field=str(c["field"]),
+                        tensor=str(c["tensor"]),
+                        dtype=str(c["dtype"]),
+                        global_shape=tuple(int(d) for d in c["global_shape"]),
+                        chunk=_chunk_from_dict(c["chunk"]),
+                    )
+                    for c in doc["chunks"]
+                ),
+                contexts={str(k): str(v) for k, v in doc["contexts"].items()},
+                tensor_fields=tuple(str(f) for f in doc["tensor_fields"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ManifestError(f"malformed rank result: {exc!r}") from exc
+
+
+def _chunk_from_dict(doc: Mapping[str, Any]) -> ChunkRecord:
+    codec = doc["codec"]
+    return ChunkRecord(
+        path=str(doc["path"]),
+        key=str(doc["key"]),
+        offsets=tuple(int(o) for o in doc["offsets"]),
+        shape=tuple(int(d) for d in doc["shape"]),
+        begin=int(doc["range"][0]),
+        end=int(doc["range"][1]),
+        digest=str(doc["digest"]),
+        codec=Codec(name=str(codec["name"]), configuration=codec.get("configuration")),
+    )
+
+
+@dataclass(slots=True)
+class _TensorDecl:
+    dtype: str
+    shape: Shape
+    sharded: bool
+    chunk_offsets: set[Shape] = field(default_factory=set)
+
+
+class RankPlanner:
+    """One rank's write plan, built call by call. Pure: it never sees array data, only its geometry.
+
+    Call sequence: :meth:`add` for each tensor or chunk (it returns the plans of files that became
+    full), :meth:`declare_field` for an empty tensor field, then :meth:`finish` for the rest.
+    """
+
+    def __init__(self, *, rank: int = 0, target_file_size: int) -> None:
+        if target_file_size <= 0 or rank < 0:
+            raise UsageError("target_file_size must be positive and rank non-negative")
+        self.rank = rank
+        self.target_file_size = target_file_size
+        self.tensors: dict[str, dict[str, _TensorDecl]] = {}
+        self._pending: dict[str, list[EntryPlan]] = {}
+        self._pending_bytes: dict[str, int] = {}
+        self._seq: dict[str, int] = {}
+
+    def declare_field(self, field_name: str) -> None:
+        check_field_name(field_name)
+        self.tensors.setdefault(field_name, {})
+
+    def add(
+        self,
+        field_name: str,
+        name: str,
+        *,
+        dtype: str,
+        shape: Sequence[int],
+        nbytes: int,
+        global_shape: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> tuple[EntryPlan, list[FilePlan]]:
+        """Plan one tensor, or one chunk of a sharded tensor (``global_shape`` and ``offsets`` given)."""
+        check_field_name(field_name)
+        problem = tensor_name_problem(name)
+        if problem:
+            raise UsageError(problem, field=field_name, tensor=name)
+        shape = tuple(int(d) for d in shape)
+        if (global_shape is None) != (offsets is None):
+            raise UsageError(
+                "give both global_shape and offsets for a chunk, or neither", field=field_name, tensor=name
+            )
+        gshape = shape if global_shape is None else tuple(int(d) for d in global_shape)
+        offs = (0,) * len(shape) if offsets is None else tuple(int(o) for o in offsets)
+        if len(gshape) != len(shape) or len(offs) != len(shape):
+            raise UsageError(
+                f"chunk of rank {len(shape)} does not match global_shape {list(gshape)} / offsets {list(offs)}",
+                field=field_name,
+                tensor=name,
+            )
+        for d in range(len(shape)):
+            if offs[d] < 0 or offs[d] + shape[d] > gshape[d]:
+                raise ChunkLayoutError(
+                    f"chunk of shape {list(shape)} at {list(offs)} lies outside {list(gshape)}",
+                    field=field_name,
+                    tensor=name,
+                )
+        sharded = global_shape is not None
+        tensors = self.tensors.setdefault(field_name, {})
+        decl = tensors.get(name)
+        if decl is None:
+            decl = tensors[name] = _TensorDecl(dtype=dtype, shape=gshape, sharded=sharded)
+        elif not (decl.sharded and sharded):
+            raise UsageError("tensor was already written", field=field_name, tensor=name)
+        elif decl.dtype != dtype or decl.shape != gshape:
+            raise UsageError(
+                f"chunk is {dtype}{list(gshape)} but earlier chunks said {decl.dtype}{list(decl.shape)}",
+                field=field_name,
+                tensor=name,
+            )
+        if offs in decl.chunk_offsets:
+            raise UsageError(f"chunk at {list(offs)} was already written", field=field_name, tensor=name)
+        decl.chunk_offsets.add(offs)
+        whole = offs == (0,) * len(shape) and shape == gshape
+        key = name if whole else f"{name}@{','.join(map(str, offs))}"
+        entry = EntryPlan(
+            field=field_name,
+            tensor=name,
+            key=key,
+            dtype=dtype,
+            shape=shape,
+            offsets=offs,
+            global_shape=gshape,
+            nbytes=nbytes,
+        )
+        full: list[FilePlan] = []
+        pending = self._pending.setdefault(field_name, [])
+        over = pending and self._pending_bytes[field_name] + nbytes > self.target_file_size
+        # A tensor named like another's chunk key ("t@0"): keys need only be unique within a file.
+        clash = any(p.key == key for p in pending)
+        if over or clash:
+            full.append(self._close_file(field_name))
+        self._pending.setdefault(field_name, []).append(entry)
+        self._pending_bytes[field_name] = self._pending_bytes.get(field_name, 0) + nbytes
+        return entry, full
+
+    def finish(self) -> list[FilePlan]:
+        """Plans of every file still open."""
+        return [self._close_file(f) for f in list(self._pending) if self._pending[f]]
+
+    def _close_file(self, field_name: str) -> FilePlan:
+        entries = tuple(self._pending.pop(field_name))
+        self._pending_bytes[field_name] = 0
+        seq = self._seq.get(field_name, 0)
+        self._seq[field_name] = seq + 1
+        return FilePlan(field=field_name, path=layout.data_path(field_name, self.rank, seq), entries=entries)
+
+
+def merge_results(
+    results: Iterable[RankResult], *, profile: str, metadata: Mapping[str, str] | None = None
+) -> Manifest:
+    """The global step: every rank's records joined into one manifest, checked as a reader would.
+
+    Refuses two ranks writing the same file, a tensor whose ranks disagree on dtype or global shape,
+    chunks that do not tile a tensor exactly (gap, overlap, out of bounds), two context blobs for one
+    field, and a profile's missing field.
+    """
+    files: dict[str, FileRecord] = {}
+    contexts: dict[str, str] = {}
+    tensor_fields: set[str] = set()
+    decls: dict[str, dict[str, tuple[str, Shape, list[ChunkRecord]]]] = {}
+    for result in sorted(results, key=lambda r: r.rank):
+        for f in result.files:
+            if f.path in files:
+                raise ChunkLayoutError(f"two ranks wrote the same file (rank {result.rank} among them)", path=f.path)
+            files[f.path] = f
+        for fname, path in result.contexts.items():
+            if fname in contexts:
+                raise ChunkLayoutError(f"two ranks wrote a context for this field (rank {result.rank})", field=fname)
+            contexts[fname] = path
+        tensor_fields.update(result.tensor_fields)
+        for placed in result.chunks:
+            tensors = decls.setdefault(placed.field, {})
+            known = tensors.get(placed.tensor)
+            if known is None:
+                tensors[placed.tensor] = (placed.dtype, placed.global_shape, [placed.chunk])
+            elif (known[0], known[1]) != (placed.dtype, placed.global_shape):
+                raise ChunkLayoutError(
+                    f"rank {result.rank} wrote {placed.dtype}{list(placed.global_shape)}, another rank "
+                    f"{known[0]}{list(known[1])}",
+                    field=placed.field,
+                    tensor=placed.tensor,
+                )
+            else:
+                known[2].append(placed.chunk)
+    fields: dict[str, FieldRecord] = {}
+    for name in sorted(tensor_fields | set(decls) | set(contexts)):
+        context = contexts.get(name)
+        if name not in tensor_fields and name not in decls:
+            fields[name] = FieldRecord(kind="context", context=context)
+            continue
+        records: dict[str, TensorRecord] = {}
+        for tname, (dtype, shape, chunk_list) in sorted(decls.get(name, {}).items()):
+            ordered = tuple(sorted(chunk_list, key=lambda c: c.offsets))
+            problem = geometry.coverage_problem(shape, [(c.offsets, c.shape) for c in ordered])
+            if problem:
+                raise ChunkLayoutError(f"chunks do not tile shape {list(shape)}: {problem}", field=name, tensor=tname)
+            records[tname] = TensorRecord(dtype=dtype, shape=shape, chunks=ordered)
+        fields[name] = FieldRecord(kind="tensors", tensors=records, context=context)
+    for name, kind in PROFILES[profile].items():
+        if name not in fields or fields[name].kind != kind:
+            raise MissingFieldError(
+                f"profile {profile!r} requires field {name!r} of kind {kind!r}; nothing was committed", field=name
+            )
+    return Manifest(
+        profile=profile, files=tuple(files[p] for p in sorted(files)), fields=fields, metadata=dict(metadata or {})
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadItem:
+    """One chunk a region needs: read it whole, then copy ``source`` of it into ``target`` of the result.
+
+    ``direct`` when the chunk is exactly the region: the executor reads it straight into the result.
+    """
+
+    chunk: ChunkRecord
+    source: tuple[slice, ...]
+    target: tuple[slice, ...]
+    direct: bool
+
+
+def plan_region(record: TensorRecord, offsets: Sequence[int], shape: Sequence[int]) -> list[ReadItem]:
+    """The chunks of ``record`` that the region ``[offsets, offsets + shape)`` touches, and where each lands."""
+    region: geometry.Box = (tuple(offsets), tuple(shape))
+    items: list[ReadItem] = []
+    for chunk in record.chunks:
+        overlap = geometry.intersect(region, (chunk.offsets, chunk.shape))
+        if overlap is None:
+            continue
+        source = tuple(slice(o - c, o - c + s) for o, s, c in zip(overlap[0], overlap[1], chunk.offsets, strict=True))
+        target = tuple(slice(o - r, o - r + s) for o, s, r in zip(overlap[0], overlap[1], region[0], strict=True))
+        direct = chunk.offsets == region[0] and chunk.shape == region[1]
+        items.append(ReadItem(chunk=chunk, source=source, target=target, direct=direct))
+    return items
