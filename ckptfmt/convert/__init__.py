@@ -1,13 +1,16 @@
 """Converting between ckptfmt and other checkpoint formats, one module per format.
 
-==========  ==============================================  =================
-format      what                                            directions
-==========  ==============================================  =================
-``ckptfmt`` this format (re-encode: another target size)     both
-``hf``      Hugging Face safetensors, single or sharded      both
-``pt``      PyTorch state-dict files .pt/.bin/.pth           import only
-``dcp``     PyTorch Distributed Checkpoint directories       both
-==========  ==============================================  =================
+==============  ==================================================  ===========
+format          what                                                directions
+==============  ==================================================  ===========
+``ckptfmt``     this format (re-encode: another target size)        both
+``hf``          Hugging Face safetensors, single or sharded         both
+``pt``          PyTorch state-dict files .pt/.bin/.pth              import only
+``dcp``         PyTorch Distributed Checkpoint directories          both
+``hf-trainer``  Hugging Face Trainer ``checkpoint-N/`` directories  both
+``lightning``   PyTorch Lightning ``.ckpt`` files                   both
+``accelerate``  Accelerate ``save_state`` directories               import only
+==============  ==================================================  ===========
 
 Every conversion goes to or from ckptfmt. Importing this package loads neither torch nor click;
 the converters that need torch import it when called.
@@ -22,9 +25,9 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, UsageError
 from .base import ConvertResult, NoProgress, Progress, list_names, locate, parse_size
 
-FORMATS: tuple[str, ...] = ("ckptfmt", "hf", "pt", "dcp")
-ALIASES: dict[str, str] = {"safetensors": "hf", "torch": "pt", "pth": "pt", "bin": "pt"}
-WRITABLE: tuple[str, ...] = ("ckptfmt", "hf", "dcp")
+FORMATS: tuple[str, ...] = ("ckptfmt", "hf", "pt", "dcp", "hf-trainer", "lightning", "accelerate")
+ALIASES: dict[str, str] = {"safetensors": "hf", "torch": "pt", "pth": "pt", "bin": "pt", "ckpt": "lightning"}
+WRITABLE: tuple[str, ...] = ("ckptfmt", "hf", "dcp", "hf-trainer", "lightning")
 
 
 def normalize_format(name: str) -> str:
@@ -37,6 +40,8 @@ def normalize_format(name: str) -> str:
 def detect_format(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
     """The format of what is at ``url``, from its names alone (nothing is unpickled or parsed)."""
     text = os.fspath(url).rstrip("/")
+    if text.endswith(".ckpt"):
+        return "lightning"
     if text.endswith((".pt", ".bin", ".pth")):
         return "pt"
     if text.endswith((".safetensors", ".safetensors.index.json")):
@@ -49,6 +54,10 @@ def detect_format(url: str | os.PathLike[str], storage_options: Mapping[str, Any
         return "ckptfmt"
     if ".metadata" in names:
         return "dcp"
+    if "trainer_state.json" in names:
+        return "hf-trainer"
+    if any(n.startswith("random_states_") and n.endswith(".pkl") for n in names):
+        return "accelerate"
     if any(n.endswith((".safetensors.index.json", ".safetensors")) for n in names):
         return "hf"
     if any(n.endswith((".pt", ".bin", ".pth")) for n in names):
@@ -123,9 +132,29 @@ def _convert(
             from .torch_pt import import_pt
 
             return import_pt(src, dst, **common)
+        if fmt == "hf-trainer":
+            from .hf_trainer import import_hf_trainer
+
+            return import_hf_trainer(src, dst, **common)
+        if fmt == "lightning":
+            from .lightning import import_lightning
+
+            return import_lightning(src, dst, **common)
+        if fmt == "accelerate":
+            from .accelerate import import_accelerate
+
+            return import_accelerate(src, dst, **common)
         from .dcp import import_dcp
 
         return import_dcp(src, dst, **common)
+    if to == "hf-trainer":
+        from .hf_trainer import export_hf_trainer
+
+        return export_hf_trainer(src, dst, **common)
+    if to == "lightning":
+        from .lightning import export_lightning
+
+        return export_lightning(src, dst, **common)
     if to == "hf":
         from .hf import DEFAULT_MAX_SHARD_SIZE, export_hf
 

@@ -1,0 +1,567 @@
+"""Hugging Face ``Trainer`` checkpoint directories (``checkpoint-N/``) into the training profile, and back.
+
+What a Trainer checkpoint holds, and where each ckptfmt field comes from:
+
+=====================  ==================================================  ==================
+source file            what                                                field
+=====================  ==================================================  ==================
+``model.safetensors``  weights, single or sharded (``pytorch_model.bin``   ``weights``
+                       and its shards too, loaded weights_only)
+``optimizer.pt``       ``optimizer.state_dict()``                          ``optimizer``
+``rng_state.pth``      Python, numpy, torch CPU and CUDA generators        ``rng``
+(``rng_state_<r>.pth``  one per process when distributed)
+``trainer_state.json`` global step, epoch, log history, batch size         ``data``, ``trainer_state``
+``config.json``        the model's config                                  ``config``
+``scheduler.pt``       ``lr_scheduler.state_dict()``                       ``scheduler``
+``scaler.pt``          ``GradScaler.state_dict()`` (mixed precision)       ``grad_scaler``
+``training_args.bin``  a pickle of ``TrainingArguments``: never unpickled  (skipped)
+=====================  ==================================================  ==================
+
+Torch files load with ``torch.load(weights_only=True)``; the RNG files hold numpy's legacy state,
+so they load under the allow-list the Trainer itself uses (numpy's array reconstructor, ndarray
+and dtypes, which build arrays and nothing else). The gradient-accumulation steps and the exact
+optimizer class live only in ``training_args.bin``, so the data position assumes one
+micro-batch per step (said in the notes) and the optimizer context names no class.
+
+Export writes the files the Trainer's ``resume_from_checkpoint`` reads, from any training-profile
+checkpoint (an imported one round-trips them; one written by :mod:`ckptfmt.torch` gets a minimal
+``trainer_state.json`` from its step).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import rng as base_rng
+from ..canonical import config_hash
+from ..errors import CheckpointError, SourceFormatError, UsageError
+from ..jsonio import load_json
+from . import hf, torch_pt
+from .base import (
+    ConvertResult,
+    Location,
+    NoProgress,
+    Progress,
+    converted_from,
+    fs_call,
+    list_names,
+    locate,
+    read_range,
+    refuse_existing,
+)
+
+TRAINER_STATE = "trainer_state.json"
+TRAINING_ARGS = "training_args.bin"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+SCALER = "scaler.pt"
+RNG = "rng_state.pth"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+PT_WEIGHTS = "pytorch_model.bin"
+PT_INDEX = "pytorch_model.bin.index.json"
+MAX_JSON_BYTES = 64 << 20  # a trainer_state.json with a long log history stays far below this
+_RANK_RNG = re.compile(r"rng_state_(\d+)\.pth")
+TORCH_CPU = "torch.cpu"
+TORCH_CUDA = "torch.cuda"
+
+
+# ---------------------------------------------------------------- shared with the other trainer formats
+
+
+def load_torch_file(loc: Location, *, numpy_arrays: bool = False) -> Any:
+    """``torch.load(weights_only=True)``; with ``numpy_arrays``, numpy arrays are allowed too (RNG states)."""
+    if not numpy_arrays:
+        return torch_pt.load(loc)
+    import torch
+
+    with torch.serialization.safe_globals(numpy_globals()):
+        return torch_pt.load(loc)
+
+
+def numpy_globals() -> list[Any]:
+    """The numpy names an array pickles through: the reconstructor, ndarray, dtype and the uint32 dtype class."""
+    core = np._core if hasattr(np, "_core") else np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_json(loc: Location, what: str) -> dict[str, Any]:
+    if int(fs_call(loc.url, loc.fs.size, loc.path)) > MAX_JSON_BYTES:
+        raise SourceFormatError(f"{what} larger than {MAX_JSON_BYTES} bytes", path=loc.url)
+    doc = load_json(
+        fs_call(loc.url, loc.fs.cat_file, loc.path), error=SourceFormatError, what=what, path=loc.url, allow_float=True
+    )
+    if not isinstance(doc, dict):
+        raise SourceFormatError(f"{what} must be a JSON object", path=loc.url)
+    return doc
+
+
+def split_optimizer(state: object, url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An optimizer state dict as ckptfmt.torch stores it: tensors ``state.<param>.<key>``, the rest as context."""
+    from .torch_bridge import context_value, is_optimizer_state, is_tensor
+
+    if not is_optimizer_state(state):
+        raise SourceFormatError("not an optimizer state dict ({'state': ..., 'param_groups': ...})", path=url)
+    assert isinstance(state, Mapping)
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, dict[str, object]] = {}
+    for pid, entry in state["state"].items():
+        if not isinstance(entry, Mapping):
+            raise SourceFormatError(f"state of parameter {pid!r} is a {type(entry).__name__}, not a dict", path=url)
+        for key, value in entry.items():
+            if is_tensor(value):
+                tensors[f"state.{pid}.{key}"] = value
+            else:
+                scalars.setdefault(str(pid), {})[str(key)] = context_value(value, f"{url}: state.{pid}.{key}")
+    groups = context_value(state["param_groups"], f"{url}: param_groups")
+    extra = {str(k): context_value(v, f"{url}: {k}") for k, v in state.items() if k not in ("state", "param_groups")}
+    return tensors, {"param_groups": groups, "scalars": scalars, **({"extra": extra} if extra else {})}
+
+
+def join_optimizer(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`split_optimizer`: a state dict ``optimizer.load_state_dict`` takes."""
+    from .torch_bridge import to_torch
+
+    state: dict[int, dict[str, Any]] = {}
+    for name, array in tensors.items():
+        _, pid, key = name.split(".", 2)
+        state.setdefault(int(pid), {})[key] = to_torch(array, _dtype(array)).clone()
+    for pid, entries in dict(context.get("scalars") or {}).items():
+        state.setdefault(int(pid), {}).update(torchify(entries))
+    groups = [
+        {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in g.items()}
+        for g in context.get("param_groups") or []
+    ]
+    return {"state": state, "param_groups": groups, **dict(context.get("extra") or {})}
+
+
+def _dtype(array: np.ndarray[Any, Any]) -> str:
+    from ..arrays import as_array
+
+    return as_array(array)[1]
+
+
+def torchify(value: Any) -> Any:
+    """Context values back into what torch state dicts hold: numpy arrays become tensors."""
+    from .torch_bridge import to_torch
+
+    if isinstance(value, np.ndarray):
+        return to_torch(value, _dtype(value)).clone()
+    if isinstance(value, dict):
+        return {k: torchify(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [torchify(v) for v in value]
+    return value
+
+
+def plain(value: Any, where: str) -> Any:
+    """A loaded torch value as a context value, tensors as numpy arrays (RNG and loop states hold some)."""
+    from .torch_bridge import context_value, is_tensor
+
+    if is_tensor(value):
+        return np.array(value.detach().cpu().numpy(), copy=True)
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, Mapping):
+        return {str(k): plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v, f"{where}.{i}") for i, v in enumerate(value)]
+    return context_value(value, where)
+
+
+def rng_generators(state: object, url: str, prefix: str = "") -> dict[str, object]:
+    """The Trainer's (and Accelerate's) RNG dict -> ckptfmt generator records, state types checked."""
+    from .torch_bridge import is_tensor
+
+    if not isinstance(state, Mapping):
+        raise SourceFormatError(f"RNG state is a {type(state).__name__}, not a dict", path=url)
+    out: dict[str, object] = {}
+    record: dict[str, object]
+    for key, value in state.items():
+        where = f"{url}: {key}"
+        if key in ("python", "random_state"):
+            try:
+                version, internal, gauss = value
+                record = {"kind": base_rng.PYTHON, "state": [int(version), [int(v) for v in internal], gauss]}
+            except (TypeError, ValueError) as exc:
+                raise SourceFormatError(f"python RNG state is malformed: {exc}", path=where) from exc
+            out[prefix + "python"] = record
+        elif key in ("numpy", "numpy_random_seed"):
+            try:
+                algorithm, keys, pos, has_gauss, cached = value
+                record = {
+                    "kind": base_rng.NUMPY_LEGACY,
+                    "state": {
+                        "algorithm": str(algorithm),
+                        "key": np.asarray(keys, dtype=np.uint32).copy(),
+                        "pos": int(pos),
+                        "has_gauss": int(has_gauss),
+                        "cached_gaussian": float(cached),
+                    },
+                }
+            except (TypeError, ValueError) as exc:
+                raise SourceFormatError(f"numpy RNG state is malformed: {exc}", path=where) from exc
+            out[prefix + "numpy"] = record
+        elif key in ("cpu", "torch_manual_seed"):
+            out[prefix + "torch"] = {"kind": TORCH_CPU, "state": _bytes_state(value, where)}
+        elif key in ("cuda", "torch_cuda_manual_seed"):
+            states = value if isinstance(value, (list, tuple)) else [value]
+            for device, s in enumerate(states):
+                out[f"{prefix}cuda:{device}"] = {"kind": TORCH_CUDA, "state": _bytes_state(s, where), "device": device}
+        elif is_tensor(value):
+            out[prefix + str(key)] = {"kind": f"torch.{key}", "state": _bytes_state(value, where)}
+        # other keys (Accelerate's "step", sampler seeds) are not generators: the caller keeps them
+    return out
+
+
+def _bytes_state(value: object, where: str) -> np.ndarray[Any, Any]:
+    from .torch_bridge import is_tensor
+
+    if not is_tensor(value) or str(getattr(value, "dtype", "")) != "torch.uint8":
+        raise SourceFormatError("a torch generator state must be a uint8 tensor", path=where)
+    return np.array(value.numpy(), dtype=np.uint8, copy=True)  # type: ignore[attr-defined]
+
+
+def trainer_rng_dict(generators: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """ckptfmt generator records (Python, numpy, torch CPU/CUDA) -> the dict the Trainer saves as rng_state.pth."""
+    import torch
+
+    out: dict[str, Any] = {}
+    cuda: dict[int, Any] = {}
+    for name, gen in generators.items():
+        if not name.startswith(prefix) or not isinstance(gen, Mapping):
+            continue
+        local, kind, state = name[len(prefix) :], gen.get("kind"), gen.get("state")
+        if kind == base_rng.PYTHON and isinstance(state, list):
+            out["python"] = (state[0], tuple(state[1]), state[2])
+        elif kind == base_rng.NUMPY_LEGACY and isinstance(state, Mapping):
+            key = np.asarray(state["key"], dtype=np.uint32)
+            out["numpy"] = (state["algorithm"], key, state["pos"], state["has_gauss"], state["cached_gaussian"])
+        elif kind == TORCH_CPU:
+            out["cpu"] = torch.from_numpy(np.asarray(state, dtype=np.uint8).copy())
+        elif kind == TORCH_CUDA:
+            cuda[int(gen.get("device", 0))] = torch.from_numpy(np.asarray(state, dtype=np.uint8).copy())
+        elif "/" not in local and ":" not in local and isinstance(kind, str) and kind.startswith("torch."):
+            out[local] = torch.from_numpy(np.asarray(state, dtype=np.uint8).copy())
+    if cuda:
+        out["cuda"] = [cuda[d] for d in sorted(cuda)]
+    return out
+
+
+def field_source(file: str, key: str | None = None, **extra: object) -> dict[str, object]:
+    return {"file": file, **({"key": key} if key is not None else {}), **extra}
+
+
+def missing_note(fmt: str, missing: Mapping[str, str]) -> str:
+    return f"the {fmt} source lacks " + "; ".join(f"{name} ({why})" for name, why in missing.items())
+
+
+# ---------------------------------------------------------------- import
+
+
+def _weights(loc: Location, names: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    """(tensors by name, the source file(s)): safetensors by byte range, else pytorch_model.bin weights_only."""
+    if any(n.endswith(".safetensors") for n in names):
+        from .. import dtypes
+
+        items, info = hf.plan_read(loc)
+        out: dict[str, Any] = {}
+        for shard, entry, name in items:
+            data = bytearray(read_range(shard, entry.begin, entry.end - entry.begin))
+            out[name] = np.frombuffer(data, dtype=dtypes.to_numpy(entry.dtype)).reshape(entry.shape)
+        files = sorted({shard.url.rpartition("/")[2] for shard, _, _ in items})
+        return out, ", ".join(files) if info["layout"] == "sharded" else files[0] if files else hf.SINGLE
+    if PT_INDEX in names:
+        index_url = loc.join(PT_INDEX).url
+        index = read_json(loc.join(PT_INDEX), "weights index")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise SourceFormatError("index has no 'weight_map' object", path=loc.join(PT_INDEX).url)
+        shards = sorted({str(v) for v in weight_map.values()})
+        out = {}
+        for shard_name in shards:
+            if "/" in shard_name or "\\" in shard_name or shard_name.startswith(".") or not shard_name.endswith(".bin"):
+                raise SourceFormatError(f"weight_map names {shard_name!r}, not a .bin file here", path=index_url)
+            out.update(_state_dict(loc.join(shard_name)))
+        return out, PT_INDEX
+    if PT_WEIGHTS in names:
+        return _state_dict(loc.join(PT_WEIGHTS)), PT_WEIGHTS
+    return {}, ""
+
+
+def _state_dict(loc: Location) -> dict[str, Any]:
+    from .torch_bridge import is_tensor
+
+    obj = load_torch_file(loc)
+    if not isinstance(obj, Mapping) or not all(is_tensor(v) for v in obj.values()):
+        raise SourceFormatError("expected a flat dict of tensors (a model state dict)", path=loc.url)
+    return {str(k): v for k, v in obj.items()}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    return int(value.numel()) * int(value.element_size())
+
+
+def import_hf_trainer(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    target_file_size: int | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Import a Trainer ``checkpoint-N/`` directory as a training-profile checkpoint."""
+    progress = progress or NoProgress()
+    loc = locate(src, storage_options)
+    names = list_names(loc)
+    if TRAINER_STATE not in names:
+        raise SourceFormatError(f"not a Trainer checkpoint directory: no {TRAINER_STATE}", path=loc.url)
+    trainer_state = read_json(loc.join(TRAINER_STATE), TRAINER_STATE)
+    sources: dict[str, object] = {}
+    missing: dict[str, str] = {}
+    notes: list[str] = []
+
+    weights, weights_file = _weights(loc, names)
+    if weights_file:
+        sources["weights"] = field_source(weights_file)
+    else:
+        missing["weights"] = "no model.safetensors or pytorch_model.bin"
+
+    opt_tensors: dict[str, Any] = {}
+    opt_context: dict[str, Any] = {}
+    if OPTIMIZER in names:
+        opt_tensors, opt_context = split_optimizer(load_torch_file(loc.join(OPTIMIZER)), loc.join(OPTIMIZER).url)
+        sources["optimizer"] = field_source(OPTIMIZER, "state, param_groups")
+    else:
+        missing["optimizer"] = f"no {OPTIMIZER}"
+
+    ranks = sorted(int(m.group(1)) for n in names if (m := _RANK_RNG.fullmatch(n)))
+    generators: dict[str, object] = {}
+    if RNG in names:
+        raw = load_torch_file(loc.join(RNG), numpy_arrays=True)
+        generators = rng_generators(raw, loc.join(RNG).url)
+        sources["rng"] = field_source(RNG, ", ".join(str(k) for k in raw))
+    elif ranks:
+        keys: set[str] = set()
+        for r in ranks:
+            f = loc.join(f"rng_state_{r}.pth")
+            raw = load_torch_file(f, numpy_arrays=True)
+            generators.update(rng_generators(raw, f.url, prefix=f"rank{r}/"))
+            keys.update(str(k) for k in raw)
+        sources["rng"] = field_source(", ".join(f"rng_state_{r}.pth" for r in ranks), ", ".join(sorted(keys)))
+    else:
+        missing["rng"] = f"no {RNG}"
+
+    step = trainer_state.get("global_step")
+    epoch = trainer_state.get("epoch")
+    batch = trainer_state.get("train_batch_size")
+    if type(step) is not int or step < 0:
+        raise SourceFormatError("'global_step' must be a non-negative integer", path=loc.join(TRAINER_STATE).url)
+    world = max(1, len(ranks))
+    data: dict[str, object] = {
+        "epoch": math.floor(epoch) if isinstance(epoch, (int, float)) and math.isfinite(epoch) else 0,
+        "global_sample_offset": step * batch * world if type(batch) is int and batch > 0 else 0,
+        "hf_trainer": {"global_step": step, "epoch": epoch},
+    }
+    sources["data"] = field_source(TRAINER_STATE, "global_step, epoch, train_batch_size")
+    notes.append(
+        "data: global_sample_offset = global_step x train_batch_size x processes, assuming one micro-batch "
+        f"per step (gradient_accumulation_steps is in {TRAINING_ARGS}, which is not read)"
+    )
+
+    config: dict[str, object] = {
+        "trainer": {
+            k: trainer_state[k]
+            for k in ("train_batch_size", "max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps")
+            if k in trainer_state
+        }
+    }
+    for name, key in ((CONFIG, "model"), (GENERATION_CONFIG, "generation")):
+        if name in names:
+            config[key] = read_json(loc.join(name), name)
+    sources["config"] = field_source(
+        ", ".join(n for n in (CONFIG, GENERATION_CONFIG, TRAINER_STATE) if n in names), "model, generation, trainer"
+    )
+    if CONFIG not in names:
+        missing["config"] = f"no {CONFIG}: only the trainer's settings from {TRAINER_STATE}"
+    missing["topology"] = (
+        f"world size {world} inferred from the RNG files; devices, mesh and ranks are not recorded"
+        if ranks
+        else "no per-process RNG files, so one process is assumed; devices and mesh are not recorded"
+    )
+    sources["topology"] = field_source(", ".join(f"rng_state_{r}.pth" for r in ranks) or RNG, "inferred")
+
+    extra: dict[str, dict[str, object]] = {"trainer_state": {"state": trainer_state}}
+    sources["trainer_state"] = field_source(TRAINER_STATE)
+    for name, fname in ((SCHEDULER, "scheduler"), (SCALER, "grad_scaler")):
+        if name in names:
+            extra[fname] = {"state": plain(load_torch_file(loc.join(name)), loc.join(name).url)}
+            sources[fname] = field_source(name)
+    skipped = [f"{TRAINING_ARGS}: a pickle of arbitrary classes, never unpickled"] if TRAINING_ARGS in names else []
+    if skipped:
+        notes.append(f"skipped {skipped[0]}")
+    if missing:
+        notes.insert(0, missing_note("Trainer", missing))
+
+    result = ConvertResult(source=loc.url, source_format="hf-trainer", destination=dst, destination_format="ckptfmt")
+    result.notes = notes
+    provenance = converted_from("hf-trainer", loc.url, fields=sources, missing=missing, skipped=skipped)
+    provenance["step"] = step
+    write_training(
+        dst,
+        weights=weights,
+        optimizer=(opt_tensors, opt_context),
+        contexts={
+            "rng": {"generators": generators},
+            "data": data,
+            "config": {"config": config, "hash": config_hash(config)},
+            "topology": {"world_size": world},
+            **extra,
+            "provenance": provenance,
+        },
+        result=result,
+        progress=progress,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        target_file_size=target_file_size,
+    )
+    return result
+
+
+def write_training(
+    dst: str,
+    *,
+    weights: Mapping[str, Any],
+    optimizer: tuple[Mapping[str, Any], Mapping[str, Any]],
+    contexts: Mapping[str, Mapping[str, object]],
+    result: ConvertResult,
+    progress: Progress,
+    storage_options: Mapping[str, Any] | None,
+    overwrite: bool,
+    target_file_size: int | None,
+    extra_tensors: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
+    """Write a training-profile checkpoint: tensor fields one tensor at a time, then the contexts, then commit."""
+    import ckptfmt
+
+    tensor_fields = {"weights": weights, "optimizer": optimizer[0], **dict(extra_tensors or {})}
+    progress.start(sum(_nbytes(t) for tensors in tensor_fields.values() for t in tensors.values()))
+    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
+    if target_file_size is not None:
+        options["target_file_size"] = target_file_size
+    with ckptfmt.open_writer(dst, profile="training", **options) as writer:
+        for field, tensors in tensor_fields.items():
+            writer.write_tensors(field, {})
+            for name, tensor in tensors.items():
+                writer.write_tensor(field, name, tensor)
+                result.tensors += 1
+                result.bytes += _nbytes(tensor)
+                progress.advance(_nbytes(tensor))
+        writer.write_context("optimizer", optimizer[1])
+        for field, value in contexts.items():
+            writer.write_context(field, value)
+    result.checkpoint_id = writer.checkpoint_id
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_hf_trainer(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Write a directory the Trainer resumes from (``trainer.train(resume_from_checkpoint=dst)``)."""
+    import torch
+
+    import ckptfmt
+
+    progress = progress or NoProgress()
+    out = locate(dst, storage_options)
+    result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="hf-trainer")
+    with ckptfmt.open(src, storage_options) as ckpt:
+        if "weights" not in ckpt.fields or ckpt.field("weights").kind != "tensors":
+            raise UsageError("the checkpoint has no 'weights' tensor field", path=ckpt.url)
+        contexts = {n: ckpt.read_context(n) for n, rec in ckpt.fields.items() if rec.context is not None}
+        step = _step(contexts)
+        files: dict[str, Any] = {}
+        if "optimizer" in ckpt.fields and ckpt.field("optimizer").kind == "tensors":
+            files[OPTIMIZER] = join_optimizer(ckpt.read_tensors("optimizer"), contexts.get("optimizer", {}))
+        for fname, name in (("scheduler", SCHEDULER), ("grad_scaler", SCALER)):
+            if isinstance(contexts.get(fname), Mapping) and "state" in contexts[fname]:
+                files[name] = torchify(contexts[fname]["state"])
+        found = contexts.get("rng", {}).get("generators")
+        generators: dict[str, Any] = dict(found) if isinstance(found, Mapping) else {}
+        ranks = sorted({int(m.group(1)) for n in generators if (m := re.match(r"rank(\d+)/", n))})
+        for r in ranks:
+            files[f"rng_state_{r}.pth"] = trainer_rng_dict(generators, prefix=f"rank{r}/")
+        if not ranks and generators:
+            files[RNG] = trainer_rng_dict(generators)
+        json_files = {TRAINER_STATE: _trainer_state(contexts, step)}
+        config = contexts.get("config", {}).get("config")
+        if isinstance(config, Mapping):
+            for key, name in (("model", CONFIG), ("generation", GENERATION_CONFIG)):
+                if isinstance(config.get(key), Mapping):
+                    json_files[name] = dict(config[key])
+        targets = [hf.SINGLE, hf.INDEX, *files, *json_files]
+        refuse_existing(out, targets, overwrite)
+        weights = hf.export_hf(
+            src, dst, storage_options=storage_options, overwrite=overwrite, field="weights", progress=progress
+        )
+        result.tensors, result.bytes, result.files = weights.tensors, weights.bytes, list(weights.files)
+        for name, obj in files.items():
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            fs_call(out.url, out.fs.pipe_file, out.join(name).path, buf.getvalue())
+            result.files.append(name)
+        for name, doc in json_files.items():
+            text = _json_text(doc)
+            fs_call(out.url, out.fs.pipe_file, out.join(name).path, text.encode("utf-8"))
+            result.files.append(name)
+    lacking = [f for f in (OPTIMIZER, SCHEDULER) if f not in files] + ([] if generators else [RNG])
+    if lacking:
+        result.notes.append(f"the checkpoint holds nothing for {', '.join(lacking)}: the Trainer starts those afresh")
+    if "trainer_state" not in contexts:
+        result.notes.append(f"{TRAINER_STATE} made from the checkpoint's step {step} (no log history)")
+    return result
+
+
+def _step(contexts: Mapping[str, Mapping[str, Any]]) -> int:
+    state = contexts.get("trainer_state", {}).get("state")
+    if isinstance(state, Mapping) and type(state.get("global_step")) is int:
+        return int(state["global_step"])
+    step = contexts.get("provenance", {}).get("step")
+    if type(step) is not int:
+        raise UsageError("the checkpoint records no step (provenance 'step'); the Trainer needs one to resume")
+    return int(step)
+
+
+def _trainer_state(contexts: Mapping[str, Mapping[str, Any]], step: int) -> dict[str, Any]:
+    state = contexts.get("trainer_state", {}).get("state")
+    if isinstance(state, Mapping):
+        return dict(state)
+    data = contexts.get("data", {})
+    epoch = data.get("hf_trainer", {}).get("epoch") if isinstance(data.get("hf_trainer"), Mapping) else None
+    epoch = float(epoch if epoch is not None else data.get("epoch", 0))
+    return {"global_step": step, "epoch": epoch, "log_history": []}
+
+
+def _json_text(doc: Mapping[str, Any]) -> str:
+    import json
+
+    try:
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as exc:  # an array or bytes in a context this exporter did not write
+        raise CheckpointError(f"cannot write as JSON: {exc}") from exc
