@@ -90,7 +90,7 @@ def import_accelerate(
     rng_files = {_index(m, 1): n for n in names if (m := _RNG.fullmatch(n))}
     models = {_index(m, 2): n for n in names if (m := _MODEL.fullmatch(n))}
     if not rng_files and not models:
-        raise SourceFormatError("not an Accelerate save_state directory (no model or random_states files)", path=loc.url)
+        raise SourceFormatError("not an Accelerate save_state directory (no model or RNG files)", path=loc.url)
     sources: dict[str, object] = {}
     missing: dict[str, str] = {}
     skipped: list[str] = []

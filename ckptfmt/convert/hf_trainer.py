@@ -498,7 +498,11 @@ def export_hf_trainer(
         step = _step(contexts)
         files: dict[str, Any] = {}
         if "optimizer" in ckpt.fields and ckpt.field("optimizer").kind == "tensors":
-            files[OPTIMIZER] = join_optimizer(ckpt.read_tensors("optimizer"), contexts.get("optimizer", {}))
+            opt_tensors, opt_context = ckpt.read_tensors("optimizer"), contexts.get("optimizer", {})
+            if "optimizers" in opt_context:
+                raise UsageError("the checkpoint holds several optimizers; the Trainer has one", path=ckpt.url)
+            if opt_tensors or opt_context.get("param_groups"):  # an empty field: the source had no optimizer
+                files[OPTIMIZER] = join_optimizer(opt_tensors, opt_context)
         for fname, name in (("scheduler", SCHEDULER), ("grad_scaler", SCALER)):
             if isinstance(contexts.get(fname), Mapping) and "state" in contexts[fname]:
                 files[name] = torchify(contexts[fname]["state"])
