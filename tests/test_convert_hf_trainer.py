@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # the integrations extra, installed by .[dev]
 import numpy as np
+import pytest
 import safetensors.torch
 import torch
 
 import ckptfmt
 from ckptfmt.convert import convert, detect_format
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers loads huggingface_hub: nothing may reach the Hub
+import transformers  # the integrations extra, which .[dev] installs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import run_cli
