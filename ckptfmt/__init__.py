@@ -58,9 +58,9 @@ from .manifest import (
     parse_manifest,
 )
 from .profiles import PROFILES
-from .reader import Checkpoint, open_checkpoint
+from .reader import Checkpoint, open_checkpoint, verify_url
 from .storage import open_store
-from .verify import Problem, VerifyReport, verify_url
+from .verify import Problem, VerifyReport
 from .writer import DEFAULT_TARGET_FILE_SIZE, CheckpointWriter
 
 

@@ -14,19 +14,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .arrays import byte_view
 from .digests import algorithm_of, format_digest, new_hasher
-from .errors import DigestMismatchError
+from .errors import CheckpointError, DigestMismatchError
 from .manifest import ChunkRecord, FileRecord
 from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
 from .storage import Store
 
 SLICE_BYTES = 16 << 20
+COALESCE_MAX_CHUNK = 1 << 20  # chunks up to this size may share one ranged request
+COALESCE_MAX_RUN = 16 << 20  # the staging buffer of one shared request
 
 
 def stream_file(
@@ -136,18 +139,75 @@ class WriteExecutor:
             self.chunks.extend(placed)
 
 
-def read_chunk_into(store: Store, chunk: ChunkRecord, out: memoryview, *, verify: bool) -> None:
-    """Fetch one chunk's stored bytes into ``out`` (exactly its size) and check its digest."""
-    store.read_into(chunk.path, chunk.begin, out)
-    if verify:
-        hasher = new_hasher(algorithm_of(chunk.digest))
-        hasher.update(out)
-        actual = format_digest(algorithm_of(chunk.digest), hasher)
-        if actual != chunk.digest:
-            raise DigestMismatchError(
-                f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
-                path=chunk.path,
-            )
+@dataclass(frozen=True, slots=True)
+class ChunkRead:
+    """Fetch ``chunk``'s stored bytes into ``out`` (exactly its size); ``where`` names it in errors."""
+
+    chunk: ChunkRecord
+    out: memoryview
+    field: str
+    tensor: str
 
 
-__all__ = ["SLICE_BYTES", "WriteExecutor", "read_chunk_into", "stream_file"]
+def check_chunk(chunk: ChunkRecord, data: memoryview) -> None:
+    """Raise DigestMismatchError unless ``data`` hashes to the chunk's digest."""
+    algorithm = algorithm_of(chunk.digest)
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    actual = format_digest(algorithm, hasher)
+    if actual != chunk.digest:
+        raise DigestMismatchError(
+            f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}", path=chunk.path
+        )
+
+
+def coalesce(reads: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
+    """Group reads of one file into runs of back-to-back small chunks, each run fetched by one request.
+
+    Chunks larger than ``COALESCE_MAX_CHUNK`` are fetched alone, straight into their destination; small
+    ones (the many little tensors of a model) share a request through a bounded staging buffer.
+    """
+    ordered = sorted(reads, key=lambda r: r.chunk.begin)
+    runs: list[list[ChunkRead]] = []
+    run_bytes = 0
+    for read in ordered:
+        size = read.chunk.end - read.chunk.begin
+        small = size <= COALESCE_MAX_CHUNK
+        if (
+            runs
+            and small
+            and run_bytes + size <= COALESCE_MAX_RUN
+            and runs[-1][-1].chunk.end == read.chunk.begin
+            and runs[-1][-1].chunk.end - runs[-1][-1].chunk.begin <= COALESCE_MAX_CHUNK
+        ):
+            runs[-1].append(read)
+            run_bytes += size
+        else:
+            runs.append([read])
+            run_bytes = size
+    return runs
+
+
+def fetch_run(store: Store, run: Sequence[ChunkRead], *, verify: bool) -> None:
+    """Fetch one coalesced run (all in one file, back to back) and check each chunk's digest."""
+    first = run[0].chunk
+    # A lone chunk goes straight into its destination; a run shares one bounded staging buffer.
+    view = run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].chunk.end - first.begin))
+    try:
+        store.read_into(first.path, first.begin, view)
+    except CheckpointError as exc:
+        exc.locate(field=run[0].field, tensor=run[0].tensor)
+        raise
+    for read in run:
+        part = view[read.chunk.begin - first.begin : read.chunk.end - first.begin]
+        try:
+            if verify:
+                check_chunk(read.chunk, part)
+        except CheckpointError as exc:
+            exc.locate(field=read.field, tensor=read.tensor)
+            raise
+        if len(run) > 1:
+            read.out[:] = part
+
+
+__all__ = ["SLICE_BYTES", "ChunkRead", "WriteExecutor", "check_chunk", "coalesce", "fetch_run", "stream_file"]

@@ -19,7 +19,7 @@ from . import chunks as geometry
 from . import dtypes
 from .arrays import byte_view
 from .context import decode
-from .digests import new_hasher
+from .digests import algorithm_of, digest_of
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,18 +32,14 @@ from .errors import (
     UnsupportedCodecError,
     UsageError,
 )
+from .executor import ChunkRead, coalesce, fetch_run
 from .fields import check_standard_field
 from .manifest import RAW, ChunkRecord, FieldRecord, Manifest, TensorRecord, checkpoint_id, parse_manifest
 from .paths import MANIFEST_NAME
+from .plan import ReadItem, plan_region
 from .safetensors_io import header_length, parse_header
 from .storage import Store, open_store
-
-
-def _digest(algorithm_and_hex: str, data: memoryview) -> str:
-    algorithm = algorithm_and_hex.partition(":")[0]
-    hasher = new_hasher(algorithm)
-    hasher.update(data)
-    return f"{algorithm}:{hasher.hexdigest()}"
+from .verify import VerifyReport, verify_checkpoint
 
 
 def read_manifest_bytes(store: Store) -> bytes:
@@ -139,46 +135,54 @@ class Checkpoint:
         out = np.empty(region[1], dtype=dtype)
         if out.size == 0:
             return out
-        for chunk in record.chunks:
-            overlap = geometry.intersect(region, (chunk.offsets, chunk.shape))
-            if overlap is None:
-                continue
-            if chunk.offsets == region[0] and chunk.shape == region[1]:
-                self._read_chunk_into(chunk, out, field, name, verify)  # straight into the result
-                continue
-            buf = np.empty(chunk.shape, dtype=dtype)
-            self._read_chunk_into(chunk, buf, field, name, verify)
-            src = tuple(slice(o - c, o - c + s) for o, s, c in zip(overlap[0], overlap[1], chunk.offsets, strict=True))
-            dst = tuple(slice(o - r, o - r + s) for o, s, r in zip(overlap[0], overlap[1], region[0], strict=True))
-            out[dst] = buf[src]
+        reads, copies = self._plan_reads(field, name, record, region, out)
+        self._fetch(reads, verify=verify, workers=1)
+        for buf, item in copies:
+            out[item.target] = buf[item.source]
         return out
 
-    def _read_chunk_into(
-        self, chunk: ChunkRecord, out: np.ndarray[Any, Any], field: str, name: str, verify: bool
-    ) -> None:
-        if chunk.codec.name != RAW:
-            raise UnsupportedCodecError(
-                f"chunk is stored with codec {chunk.codec.name!r}, which this reader does not implement",
-                path=chunk.path,
-                field=field,
-                tensor=name,
-            )
-        view = byte_view(out)
-        try:
-            self._check_data_file(chunk.path)
-            self.store.read_into(chunk.path, chunk.begin, view)
-        except CheckpointError as exc:
-            exc.locate(field=field, tensor=name)
-            raise
-        if verify:
-            actual = _digest(chunk.digest, view)
-            if actual != chunk.digest:
-                raise DigestMismatchError(
-                    f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
-                    path=chunk.path,
+    def _plan_reads(
+        self, field: str, name: str, record: TensorRecord, region: geometry.Box, out: np.ndarray[Any, Any]
+    ) -> tuple[list[ChunkRead], list[tuple[np.ndarray[Any, Any], ReadItem]]]:
+        """The chunk reads that fill ``out`` with ``region``: straight into it where a chunk is exactly the
+        region, else into a chunk-sized buffer that is copied from after the read."""
+        reads: list[ChunkRead] = []
+        copies: list[tuple[np.ndarray[Any, Any], ReadItem]] = []
+        for item in plan_region(record, region[0], region[1]):
+            if item.chunk.codec.name != RAW:
+                raise UnsupportedCodecError(
+                    f"chunk is stored with codec {item.chunk.codec.name!r}, which this reader does not implement",
+                    path=item.chunk.path,
                     field=field,
                     tensor=name,
                 )
+            if item.direct:
+                target = out
+            else:
+                target = np.empty(item.chunk.shape, dtype=out.dtype)
+                copies.append((target, item))
+            reads.append(ChunkRead(chunk=item.chunk, out=byte_view(target), field=field, tensor=name))
+        return reads, copies
+
+    def _fetch(self, reads: list[ChunkRead], *, verify: bool, workers: int) -> None:
+        """Check each data file once, then fetch the reads in coalesced runs, ``workers`` runs at a time."""
+        by_file: dict[str, list[ChunkRead]] = {}
+        for read in reads:
+            by_file.setdefault(read.chunk.path, []).append(read)
+        for path, file_reads in sorted(by_file.items()):
+            try:
+                self._check_data_file(path)
+            except CheckpointError as exc:
+                exc.locate(field=file_reads[0].field, tensor=file_reads[0].tensor)
+                raise
+        runs = [run for path in sorted(by_file) for run in coalesce(by_file[path])]
+        if workers <= 1 or len(runs) <= 1:
+            for run in runs:
+                fetch_run(self.store, run, verify=verify)
+            return
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-read") as pool:
+            for future in [pool.submit(fetch_run, self.store, run, verify=verify) for run in runs]:
+                future.result()
 
     def chunks_in(self, path: str) -> list[tuple[str, str, ChunkRecord]]:
         """(field, tensor, chunk) of every chunk the manifest places in data file ``path``."""
@@ -236,14 +240,29 @@ class Checkpoint:
         self._files_checked.add(path)
 
     def read_tensors(self, field: str, *, verify: bool = True, workers: int = 4) -> dict[str, np.ndarray[Any, Any]]:
-        """Every tensor of a field; ``workers`` threads read in parallel (object stores gain most: one
-        ranged GET per chunk, many in flight)."""
-        names = self.tensor_names(field)
-        if workers <= 1 or len(names) <= 1:
-            return {name: self.read_tensor(field, name, verify=verify) for name in names}
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-read") as pool:
-            arrays = pool.map(lambda name: self.read_tensor(field, name, verify=verify), names)
-            return dict(zip(names, arrays, strict=True))
+        """Every tensor of a field. Neighbouring small chunks share one ranged request, and ``workers``
+        requests run in parallel (object stores gain most)."""
+        out: dict[str, np.ndarray[Any, Any]] = {}
+        reads: list[ChunkRead] = []
+        copies: list[tuple[np.ndarray[Any, Any], ReadItem, np.ndarray[Any, Any]]] = []
+        for name in self.tensor_names(field):
+            record = self.tensor(field, name)
+            try:
+                dtype = dtypes.to_numpy(record.dtype)
+            except CheckpointError as exc:
+                exc.locate(field=field, tensor=name)
+                raise
+            array = out[name] = np.empty(record.shape, dtype=dtype)
+            if array.size == 0:
+                continue
+            whole: geometry.Box = ((0,) * len(record.shape), record.shape)
+            tensor_reads, tensor_copies = self._plan_reads(field, name, record, whole, array)
+            reads.extend(tensor_reads)
+            copies.extend((buf, item, array) for buf, item in tensor_copies)
+        self._fetch(reads, verify=verify, workers=workers)
+        for buf, item, array in copies:
+            array[item.target] = buf[item.source]
+        return out
 
     def iter_tensors(self, field: str, *, verify: bool = True) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
         """One tensor at a time, so a caller can stream a field larger than memory."""
@@ -262,7 +281,7 @@ class Checkpoint:
         data = self.store.read(path)
         if len(data) != record.size:
             raise SizeMismatchError(f"blob has {len(data)} bytes, manifest says {record.size}", path=path, field=field)
-        actual = _digest(record.digest, memoryview(data))
+        actual = digest_of(algorithm_of(record.digest), data)
         if actual != record.digest:
             raise DigestMismatchError(f"blob hashes to {actual}, manifest says {record.digest}", path=path, field=field)
         value = decode(data, path=path, field=field)
@@ -275,8 +294,6 @@ class Checkpoint:
 
     def verify(self, *, quick: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-read and re-hash everything; a report of every problem found, not just the first."""
-        from .verify import verify_checkpoint
-
         return verify_checkpoint(self, quick=quick, progress=progress)
 
     def close(self) -> None:
@@ -306,4 +323,19 @@ def open_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, A
     return Checkpoint(store, manifest, data)
 
 
-from .verify import VerifyReport  # noqa: E402  (verify imports this module's Checkpoint for typing only)
+def verify_url(
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    quick: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Verify whatever is at ``url``: a checkpoint that cannot even be opened is a report with that problem."""
+    try:
+        ckpt = open_checkpoint(url, storage_options)
+    except CheckpointError as exc:
+        report = VerifyReport(url=open_store(url, storage_options).url, quick=quick)
+        report.add(exc)
+        return report
+    with ckpt:
+        return verify_checkpoint(ckpt, quick=quick, progress=progress)

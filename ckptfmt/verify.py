@@ -7,17 +7,15 @@ rules (config hash included) re-checked.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .context import decode
-from .digests import Hasher, new_hasher
+from .digests import Hasher, algorithm_of, format_digest, new_hasher
 from .errors import CheckpointError
 from .fields import check_standard_field
 from .manifest import ChunkRecord
-from .storage import open_store
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
@@ -155,7 +153,7 @@ def _check_digests(
     progress: Callable[[int], None] | None,
 ) -> None:
     """One pass over the file feeding the file hasher and the hasher of whichever chunk each byte is in."""
-    file_hasher = new_hasher(digest.partition(":")[0])
+    file_hasher = new_hasher(algorithm_of(digest))
     spans = sorted(chunk_list, key=lambda item: item[1].begin)
     open_spans: list[tuple[str, ChunkRecord, Hasher]] = []
     next_span = 0
@@ -169,7 +167,7 @@ def _check_digests(
         end = pos + n
         while next_span < len(spans) and spans[next_span][1].begin < end:
             tname, chunk = spans[next_span]
-            open_spans.append((tname, chunk, new_hasher(chunk.digest.partition(":")[0])))
+            open_spans.append((tname, chunk, new_hasher(algorithm_of(chunk.digest))))
             next_span += 1
         still_open = []
         for tname, chunk, hasher in open_spans:
@@ -185,10 +183,10 @@ def _check_digests(
         if progress:
             progress(n)
     for tname, chunk in spans[next_span:]:  # zero-byte chunks at the very end
-        _finish_chunk(tname, chunk, new_hasher(chunk.digest.partition(":")[0]), path, fname, report)
+        _finish_chunk(tname, chunk, new_hasher(algorithm_of(chunk.digest)), path, fname, report)
     for tname, chunk, hasher in open_spans:
         _finish_chunk(tname, chunk, hasher, path, fname, report)
-    actual = f"{digest.partition(':')[0]}:{file_hasher.hexdigest()}"
+    actual = format_digest(algorithm_of(digest), file_hasher)
     if actual != digest:
         report.problems.append(
             _problem("digest_mismatch", f"file hashes to {actual}, manifest says {digest}", path=path, field=fname)
@@ -197,7 +195,7 @@ def _check_digests(
 
 def _finish_chunk(tname: str, chunk: ChunkRecord, hasher: Hasher, path: str, fname: str, report: VerifyReport) -> None:
     report.chunks_checked += 1
-    actual = f"{chunk.digest.partition(':')[0]}:{hasher.hexdigest()}"
+    actual = format_digest(algorithm_of(chunk.digest), hasher)
     if actual != chunk.digest:
         report.problems.append(
             _problem(
@@ -209,23 +207,3 @@ def _finish_chunk(tname: str, chunk: ChunkRecord, hasher: Hasher, path: str, fna
                 tensor=tname,
             )
         )
-
-
-def verify_url(
-    url: str | os.PathLike[str],
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    quick: bool = False,
-    progress: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """Verify whatever is at ``url``: a checkpoint that cannot even be opened is a report with that problem."""
-    from .reader import open_checkpoint
-
-    try:
-        ckpt = open_checkpoint(url, storage_options)
-    except CheckpointError as exc:
-        report = VerifyReport(url=open_store(url, storage_options).url, quick=quick)
-        report.add(exc)
-        return report
-    with ckpt:
-        return verify_checkpoint(ckpt, quick=quick, progress=progress)
