@@ -1,0 +1,91 @@
+"""CkptfmtCallback end to end on CPU: train a tiny Trainer, kill it, resume from the ckptfmt copy alone,
+and end bit-identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfmt
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may reach the Hub
+import transformers  # the integrations extra, which .[dev] installs
+
+from ckptfmt.integrations.hf import CkptfmtCallback, prepare_resume
+
+STEPS = 6
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAt(transformers.TrainerCallback):  # type: ignore[misc]
+    """Dies at the start of a step, as a preempted job would (after the last save, before the next)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise Killed(f"killed at step {self.step}")
+
+
+def trainer(out: Path, callbacks: list[Any], seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=STEPS,
+        save_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    return transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+
+
+def test_kill_and_resume_from_ckptfmt_is_bit_identical(tmp_path: Path) -> None:
+    full = trainer(tmp_path / "full", [CkptfmtCallback(tmp_path / "full-ckpt", keep_hf_checkpoint=False)])
+    full.train()
+    assert sorted(os.listdir(tmp_path / "full-ckpt")) == ["checkpoint-3", "checkpoint-6"]
+    assert not (tmp_path / "full" / "checkpoint-3").exists()  # keep_hf_checkpoint=False
+
+    callback = CkptfmtCallback(tmp_path / "ckpt")
+    with pytest.raises(Killed):
+        trainer(tmp_path / "run", [callback, KillAt(4)]).train()
+    assert callback.written == [str(tmp_path / "ckpt" / "checkpoint-3")]
+    shutil.rmtree(tmp_path / "run")  # the Trainer's own checkpoints are gone: only ckptfmt is left
+    report = ckptfmt.verify(callback.written[0])
+    assert report.ok, report
+
+    resumed = trainer(tmp_path / "resumed", [], seed=1)
+    resumed.train(resume_from_checkpoint=prepare_resume(callback.written[0], tmp_path / "resume-dir"))
+    assert resumed.state.global_step == STEPS
+    expected = full.model.state_dict()
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    with ckptfmt.open(tmp_path / "full-ckpt" / "checkpoint-6") as ckpt:
+        for name, array in ckpt.read_tensors("optimizer").items():
+            _, pid, key = name.split(".", 2)
+            assert torch.equal(resumed.optimizer.state_dict()["state"][int(pid)][key], torch.from_numpy(array))
