@@ -49,12 +49,16 @@ class Trace:
             with self._lock:
                 self.calls.append(call)
 
+        def full(path: object, dir_fd: object = None) -> str:
+            # LocalStore works through directory fds (dir_fd=): name the file by its absolute path.
+            name = str(os.fspath(path))  # type: ignore[call-overload]
+            return name if dir_fd is None else os.path.join(self._fds.get(dir_fd, "<dir_fd>"), name)  # type: ignore[call-overload]
+
         def open_(path: object, flags: int, *args: object, **kwargs: object) -> int:
             fd = real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
-            name = os.fspath(path)  # type: ignore[arg-type]
-            full = name if kwargs.get("dir_fd") is None else f"<dir_fd>/{name}"
-            self._fds[fd] = str(full)
-            rec(Call("open", str(full), flags=flags))
+            name = full(path, kwargs.get("dir_fd"))
+            self._fds[fd] = name
+            rec(Call("open", name, flags=flags))
             return fd
 
         def fsync(fd: int) -> None:
@@ -64,16 +68,16 @@ class Trace:
                 raise OSError(errno.EIO, "injected fsync failure")
             real_fsync(fd)
 
-        def rename(src: object, dst: object) -> None:
-            rec(Call("rename", str(src), str(dst)))
-            real_rename(src, dst)  # type: ignore[arg-type]
+        def rename(src: object, dst: object, **kwargs: object) -> None:
+            rec(Call("rename", full(src, kwargs.get("src_dir_fd")), full(dst, kwargs.get("dst_dir_fd"))))
+            real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
 
-        def link(src: object, dst: object) -> None:
-            rec(Call("link", str(src), str(dst)))
-            real_link(src, dst)  # type: ignore[arg-type]
+        def link(src: object, dst: object, **kwargs: object) -> None:
+            rec(Call("link", full(src, kwargs.get("src_dir_fd")), full(dst, kwargs.get("dst_dir_fd"))))
+            real_link(src, dst, **kwargs)  # type: ignore[arg-type]
 
         def unlink(path: object, *args: object, **kwargs: object) -> None:
-            rec(Call("unlink", str(path)))
+            rec(Call("unlink", full(path, kwargs.get("dir_fd"))))
             real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
 
         for name, fn in (("open", open_), ("fsync", fsync), ("rename", rename), ("link", link), ("unlink", unlink)):

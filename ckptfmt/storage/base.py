@@ -13,6 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# What ``Store.read`` refuses by default: it reads whole documents (manifest, context blobs, locks),
+# never data files, so a huge (say sparse) file is refused before a byte of it is read.
+DEFAULT_MAX_READ = 1 << 30
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Capabilities:
@@ -50,8 +54,9 @@ class Store(ABC):
         """Write ``data`` under ``path`` only if nothing is there; raise FileExistsError otherwise."""
 
     @abstractmethod
-    def read(self, path: str) -> bytes:
-        """The whole file; MissingFileError if absent."""
+    def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole file; MissingFileError if absent, SizeMismatchError (before reading anything) if it
+        is larger than ``max_size``. Callers reading a small document pass that document's own bound."""
 
     @abstractmethod
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
@@ -78,8 +83,9 @@ class Store(ABC):
     def abort_upload(self, path: str, upload_id: str) -> None:  # noqa: B027
         """Abort an unfinished multipart upload (left by a killed writer)."""
 
-    def remove_empty_dirs(self) -> None:  # noqa: B027
-        """Remove directories left empty below the root, the root included (local disks only)."""
+    def remove_empty_dirs(self, under: str = "") -> None:  # noqa: B027
+        """Remove directories left empty below ``under`` (a directory below the root; the root itself
+        by default), ``under`` included (local disks only). Symlinks are never followed or removed."""
 
     def sync_dirs(self, paths: Iterable[str]) -> None:  # noqa: B027 - only local disks need it
         """Make the directory entries of these files durable (local disks: fsync the directories)."""

@@ -1,35 +1,238 @@
-"""Local disks, through the os module: fsync, rename, no symlinks followed, regular files only."""
+"""Local disks, through the os module: fsync, rename, no symlinks followed, regular files only.
+
+Every operation below the root walks from the root one directory at a time with directory file
+descriptors opened ``O_NOFOLLOW`` (the ``dir_fd=`` variants of mkdir, open, rename, link, unlink,
+rmdir), so a symlink or a non-directory anywhere below the root is refused with
+:class:`UnsafePathError` instead of being followed, and nothing can be read, written or deleted
+outside the root. The root itself is the caller's path: a symlink there is the caller's choice.
+
+Files are opened ``O_NONBLOCK`` (a FIFO would block a plain open forever) after an ``lstat`` that
+refuses anything but a regular file, so devices, FIFOs and sockets are never opened at all; the
+``fstat`` of the open file must match that ``lstat``.
+"""
 
 from __future__ import annotations
 
+import builtins
 import errno
+import fcntl
 import os
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError
-from .base import Capabilities, OutputFile, Store
+from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
 
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC  # the root may be reached through a symlink
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+MAX_DEPTH = 256  # directory levels list() and remove_empty_dirs() descend; far beyond any checkpoint layout
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def kind_of(mode: int) -> str:
+    """What a non-regular directory entry is, for error messages."""
+    for test, name in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def split_path(path: str) -> list[str]:
+    """The components of a relative '/'-separated path; refuses '', '.', '..', absolute paths and NUL."""
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or "\0" in part:
+            raise UnsafePathError("is not a plain relative path below the root", path=path)
+    return parts
+
+
+def _open_root(root: str, path: str, *, create: bool = False) -> int:
     try:
-        os.fsync(fd)
+        if create:
+            os.makedirs(root, exist_ok=True)
+        return os.open(root, _ROOT_FLAGS)
+    except FileNotFoundError:
+        raise MissingFileError(f"{root} does not exist", path=path) from None
+    except OSError as exc:
+        raise StorageError(f"cannot open root directory {root}: {exc}", path=path) from exc
+
+
+def _open_dir(dir_fd: int, name: str, path: str, *, create: bool = False) -> int:
+    """Open the directory ``name`` inside ``dir_fd`` without following a symlink (making it if asked)."""
+    for _ in range(2):
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create:
+                raise MissingFileError(f"directory {name!r} is missing", path=path) from None
+            try:
+                os.mkdir(name, 0o755, dir_fd=dir_fd)
+            except FileExistsError:
+                pass  # made meanwhile (another thread of the writer): open it
+            except OSError as exc:
+                raise StorageError(f"cannot make directory {name!r}: {exc}", path=path) from exc
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                try:
+                    what = kind_of(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+                except OSError:
+                    what = "not a directory"
+                raise UnsafePathError(
+                    f"component {name!r} is {what}; nothing below a checkpoint root is followed", path=path
+                ) from exc
+            raise StorageError(f"cannot open directory {name!r}: {exc}", path=path) from exc
+    raise StorageError(f"directory {name!r} keeps disappearing", path=path)
+
+
+def walk_to_parent(root: str, path: str, *, create: bool = False) -> tuple[int, str]:
+    """(fd of the directory holding ``path``, owned by the caller; its last component), walked from
+    ``root`` one directory at a time following nothing (making missing directories if asked)."""
+    parts = split_path(path)
+    fd = _open_root(root, path, create=create)
+    try:
+        for part in parts[:-1]:
+            next_fd = _open_dir(fd, part, path, create=create)
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+@contextmanager
+def parent_dir(root: str, path: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+    """:func:`walk_to_parent` as a context manager that closes the directory."""
+    fd, name = walk_to_parent(root, path, create=create)
+    try:
+        yield fd, name
     finally:
         os.close(fd)
 
 
+def _open_regular(dir_fd: int | None, name: str, path: str) -> int:
+    """Open a regular file for reading; refuse (without opening) a symlink, FIFO, socket or device."""
+    for _ in range(8):  # an atomic replace (rename) between the lstat and the open: look again
+        fd = _try_open_regular(dir_fd, name, path)
+        if fd is not None:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            return fd
+    raise UnsafePathError("keeps being replaced while being opened", path=path)
+
+
+def _try_open_regular(dir_fd: int | None, name: str, path: str) -> int | None:
+    try:
+        # dir_fd None: the root itself is the file, the caller's own path (a symlink there is their choice)
+        before = os.stat(name) if dir_fd is None else os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise MissingFileError("file is missing", path=path) from None
+    except OSError as exc:
+        raise StorageError(f"cannot stat: {exc}", path=path) from exc
+    if not stat.S_ISREG(before.st_mode):
+        raise UnsafePathError(f"is {kind_of(before.st_mode)}, not a regular file; readers follow no symlink", path=path)
+    try:
+        if dir_fd is None:
+            fd = os.open(name, os.O_RDONLY | _CLOEXEC | os.O_NONBLOCK)
+        else:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise MissingFileError("file is missing", path=path) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError("is a symlink; readers follow none", path=path) from exc
+        raise StorageError(f"cannot open: {exc}", path=path) from exc
+    after = os.fstat(fd)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        return None
+    if not stat.S_ISREG(after.st_mode):  # unreachable unless the inode changed kind
+        os.close(fd)
+        raise UnsafePathError(f"is {kind_of(after.st_mode)}, not a regular file", path=path)
+    return fd
+
+
+def open_below(root: str | os.PathLike[str], path: str = "") -> int:
+    """A read-only fd of the regular file ``path`` below ``root``, following no symlink below ``root``.
+
+    ``path`` empty means ``root`` itself is the file. Raises MissingFileError, UnsafePathError (a
+    symlink, FIFO, socket, device or directory where a file is expected) or StorageError. This is the
+    one way ckptfmt opens a local file it did not write, checkpoints and converter sources alike.
+    """
+    top = os.path.abspath(os.fspath(root))
+    if not path:
+        return _open_regular(None, top, top)
+    with parent_dir(top, path) as (dir_fd, name):
+        return _open_regular(dir_fd, name, path)
+
+
+def read_fd(fd: int, path: str, max_size: int) -> bytes:
+    """The whole of an open file, refused (before reading anything) when larger than ``max_size``."""
+    size = os.fstat(fd).st_size
+    if size > max_size:
+        raise SizeMismatchError(f"is {size} bytes, more than the {max_size} this file may have", path=path)
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        while True:
+            chunk = os.read(fd, min(max_size + 1 - got, 1 << 20) or 1)
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > max_size:  # grew while being read
+                raise SizeMismatchError(f"is more than the {max_size} bytes this file may have", path=path)
+            chunks.append(chunk)
+    except OSError as exc:
+        raise StorageError(f"read failed: {exc}", path=path) from exc
+    return b"".join(chunks)
+
+
+def pread_exact(fd: int, path: str, begin: int, out: memoryview) -> None:
+    """Fill ``out`` from byte ``begin``; SizeMismatchError if the file is shorter."""
+    view = out.cast("B") if out.format != "B" else out
+    pos = 0
+    try:
+        while pos < len(view):
+            got = os.preadv(fd, [view[pos:]], begin + pos)
+            if got == 0:
+                raise SizeMismatchError(f"file ends before byte {begin + len(view)} (read {begin + pos})", path=path)
+            pos += got
+    except OSError as exc:
+        raise StorageError(f"read failed: {exc}", path=path) from exc
+
+
+def scan_dir(dir_fd: int) -> builtins.list[tuple[str, os.stat_result]]:
+    """(name, lstat) of every entry of an open directory."""
+    with os.scandir(dir_fd) as it:
+        return [(entry.name, entry.stat(follow_symlinks=False)) for entry in it]
+
+
 class LocalOutput(OutputFile):
-    def __init__(self, final: Path, rel: str) -> None:
-        self._final = final
+    """A temp file ``.<name>.tmp-<12 hex>`` beside the final name, in a directory held open by fd."""
+
+    def __init__(self, dir_fd: int, name: str, rel: str) -> None:
+        self._dir_fd: int | None = dir_fd  # owned: closed on commit or abort
+        self._name = name
         self._rel = rel
-        self._tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(6)}")
-        self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._tmp = f".{name}.tmp-{secrets.token_hex(6)}"
+        try:
+            self._fd: int | None = os.open(self._tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
+        except BaseException:
+            os.close(dir_fd)
+            self._dir_fd = None
+            raise
 
     def write(self, data: bytes | memoryview) -> None:
         assert self._fd is not None, "write after commit/abort"
@@ -42,26 +245,52 @@ class LocalOutput(OutputFile):
             self.abort()
             raise StorageError(f"write failed: {exc}", path=self._rel) from exc
 
-    def commit(self) -> None:
+    def _sync_and_close(self) -> None:
         assert self._fd is not None, "commit after commit/abort"
+        # An fsync error is final: a retried fsync may report success with the data lost.
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+
+    def commit(self) -> None:
         try:
-            # An fsync error is final: a retried fsync may report success with the data lost.
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            os.rename(self._tmp, self._final)  # replaces an old file's entry; never truncates it
+            self._sync_and_close()
+            assert self._dir_fd is not None
+            # Replaces an old file's entry (a symlink there is replaced, never written through); never truncates.
+            os.rename(self._tmp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         except OSError as exc:
             self.abort()
             raise StorageError(f"could not make the file durable: {exc}", path=self._rel) from exc
+        self._release()
+
+    def link_exclusive(self) -> None:
+        """Publish by ``link``: atomic and exclusive, FileExistsError if the final name exists."""
+        try:
+            self._sync_and_close()
+            assert self._dir_fd is not None
+            os.link(self._tmp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"could not write: {exc}", path=self._rel) from exc
+        finally:
+            self.abort()  # drops the temp name; the linked file stays
 
     def abort(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        try:
-            os.unlink(self._tmp)
-        except FileNotFoundError:
-            pass
+        if self._dir_fd is not None:
+            try:
+                os.unlink(self._tmp, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+            self._release()
+
+    def _release(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 class LocalStore(Store):
@@ -70,94 +299,36 @@ class LocalStore(Store):
         self.url = str(self.root)
         self.capabilities = Capabilities(ranged_reads=True, exclusive_create=True, local=True)
 
-    def _full(self, path: str) -> Path:
-        return self.root.joinpath(*path.split("/"))
-
     def _open_read(self, path: str) -> int:
-        """Open a file below the root following no symlink at any level; regular files only."""
-        parts = path.split("/")
-        try:
-            dir_fd = os.open(self.root, _DIR_FLAGS)
-        except FileNotFoundError:
-            raise MissingFileError("file is missing", path=path) from None
-        except OSError as exc:
-            raise StorageError(f"cannot open checkpoint root {self.root}: {exc}", path=path) from exc
-        try:
-            for part in parts[:-1]:
-                try:
-                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=dir_fd)
-                except FileNotFoundError:
-                    raise MissingFileError("file is missing", path=path) from None
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise UnsafePathError(f"{part!r} is a symlink or not a directory", path=path) from exc
-                    raise StorageError(f"cannot open directory {part!r}: {exc}", path=path) from exc
-                os.close(dir_fd)
-                dir_fd = next_fd
-            try:
-                fd = os.open(parts[-1], _READ_FLAGS, dir_fd=dir_fd)
-            except FileNotFoundError:
-                raise MissingFileError("file is missing", path=path) from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise UnsafePathError("is a symlink; readers follow none", path=path) from exc
-                raise StorageError(f"cannot open: {exc}", path=path) from exc
-        finally:
-            os.close(dir_fd)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise UnsafePathError("is not a regular file", path=path)
-        return fd
+        return open_below(self.url, path)
 
     def create(self, path: str) -> OutputFile:
-        final = self._full(path)
+        dir_fd, name = walk_to_parent(self.url, path, create=True)  # LocalOutput owns (and closes) dir_fd
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            return LocalOutput(final, path)
+            return LocalOutput(dir_fd, name, path)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError("a symlink is in the way of the temp file", path=path) from exc
             raise StorageError(f"cannot create: {exc}", path=path) from exc
 
     def put_exclusive(self, path: str, data: bytes) -> None:
-        final = self._full(path)
         out = self.create(path)
         assert isinstance(out, LocalOutput)
         out.write(data)
-        try:
-            assert out._fd is not None
-            os.fsync(out._fd)
-            os.close(out._fd)
-            out._fd = None
-            os.link(out._tmp, final)  # atomic and exclusive: fails if the name exists
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            raise StorageError(f"could not write: {exc}", path=path) from exc
-        finally:
-            out.abort()  # drops the temp name; the linked file stays
+        out.link_exclusive()
         self.sync_dirs([path])
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
         fd = self._open_read(path)
         try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
+            return read_fd(fd, path, max_size)
         finally:
             os.close(fd)
 
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         fd = self._open_read(path)
         try:
-            view = out.cast("B") if out.format != "B" else out
-            pos = 0
-            while pos < len(view):
-                got = os.preadv(fd, [view[pos:]], begin + pos)
-                if got == 0:
-                    raise SizeMismatchError(
-                        f"file ends before byte {begin + len(view)} (read {begin + pos})", path=path
-                    )
-                pos += got
-        except OSError as exc:
-            raise StorageError(f"read failed: {exc}", path=path) from exc
+            pread_exact(fd, path, begin, out)
         finally:
             os.close(fd)
 
@@ -169,49 +340,128 @@ class LocalStore(Store):
             os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(self._full(path))
+        try:
+            with parent_dir(self.url, path) as (dir_fd, name):
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except (MissingFileError, FileNotFoundError):
+            return False
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot stat: {exc}", path=path) from exc
+        return True
 
     def list(self) -> dict[str, int]:
+        """Every non-directory entry below the root (symlinks, to directories too, and special files
+        included: they are reported, never followed), relative path -> lstat size."""
         out: dict[str, int] = {}
-        if not self.root.is_dir():
+        try:
+            fd = os.open(self.url, _ROOT_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
             return out
-        for dirpath, _dirnames, filenames in os.walk(self.root, followlinks=False):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            for name in filenames:
-                rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
-                try:
-                    out[rel] = os.lstat(os.path.join(dirpath, name)).st_size
-                except FileNotFoundError:
-                    continue
+        except OSError as exc:
+            raise StorageError(f"cannot list {self.url}: {exc}") from exc
+        try:
+            self._list_into(fd, "", out, 0)
+        finally:
+            os.close(fd)
         return out
+
+    def _list_into(self, dir_fd: int, prefix: str, out: dict[str, int], depth: int) -> None:
+        try:
+            entries = scan_dir(dir_fd)
+        except OSError as exc:
+            raise StorageError(f"cannot list: {exc}", path=prefix or None) from exc
+        for name, st in entries:
+            rel = prefix + name
+            if not stat.S_ISDIR(st.st_mode):
+                out[rel] = st.st_size
+                continue
+            if depth >= MAX_DEPTH:
+                raise UnsafePathError(f"directories nest deeper than {MAX_DEPTH} levels", path=rel)
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as exc:
+                raise StorageError(f"cannot open directory: {exc}", path=rel) from exc
+            try:
+                self._list_into(child, rel + "/", out, depth + 1)
+            finally:
+                os.close(child)
 
     def delete(self, path: str) -> None:
         try:
-            os.unlink(self._full(path))
-        except FileNotFoundError:
+            with parent_dir(self.url, path) as (dir_fd, name):
+                os.unlink(name, dir_fd=dir_fd)  # a symlink is removed itself, never what it points to
+        except (MissingFileError, FileNotFoundError):
             pass
+        except StorageError:
+            raise
         except OSError as exc:
             raise StorageError(f"cannot delete: {exc}", path=path) from exc
 
-    def remove_empty_dirs(self) -> None:
-        if not self.root.is_dir():
+    def remove_empty_dirs(self, under: str = "") -> None:
+        try:
+            if not under:
+                fd = os.open(self.url, _ROOT_FLAGS)
+                try:
+                    self._prune(fd, 0)
+                finally:
+                    os.close(fd)
+                os.rmdir(self.url)
+                return
+            with parent_dir(self.url, under) as (parent_fd, name):
+                fd = _open_dir(parent_fd, name, under)
+                try:
+                    self._prune(fd, 0)
+                finally:
+                    os.close(fd)
+                os.rmdir(name, dir_fd=parent_fd)
+        except (MissingFileError, UnsafePathError):
+            pass  # nothing there, or not a directory of ours: nothing to remove
+        except OSError:
+            pass  # not empty (or not ours to remove): left alone
+
+    def _prune(self, dir_fd: int, depth: int) -> None:
+        """Remove the empty real directories below an open directory, deepest first; symlinks are left."""
+        if depth >= MAX_DEPTH:
             return
-        for dirpath, _dirnames, _filenames in os.walk(self.root, topdown=False, followlinks=False):
+        for name, st in scan_dir(dir_fd):
+            if not stat.S_ISDIR(st.st_mode):
+                continue
             try:
-                os.rmdir(dirpath)  # fails, harmlessly, on a directory that is not empty
+                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                self._prune(child, depth + 1)
+            finally:
+                os.close(child)
+            try:
+                os.rmdir(name, dir_fd=dir_fd)  # fails, harmlessly, on a directory that is not empty
             except OSError:
                 pass
 
     def sync_dirs(self, paths: Iterable[str]) -> None:
-        dirs = {self._full(p).parent for p in paths}
-        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-            # A new subdirectory's own entry lives in its parent: sync up to the root.
-            current = d
-            while True:
+        # Every directory holding one of these files, and its parents up to the root (a new
+        # subdirectory's own entry lives in its parent): deepest first, each once.
+        dirs: set[tuple[str, ...]] = {()}
+        for path in paths:
+            parts = tuple(split_path(path)[:-1])
+            dirs.update(parts[:i] for i in range(len(parts) + 1))
+        fds: dict[tuple[str, ...], int] = {}
+        try:
+            fds[()] = _open_root(self.url, "")
+            for d in sorted(dirs, key=len):
+                if d:
+                    fds[d] = _open_dir(fds[d[:-1]], d[-1], "/".join(d))
+            for d in sorted(dirs, key=len, reverse=True):
                 try:
-                    _fsync_dir(current)
+                    os.fsync(fds[d])
                 except OSError as exc:
-                    raise StorageError(f"fsync of directory {current} failed: {exc}") from exc
-                if current == self.root or self.root not in current.parents:
-                    break
-                current = current.parent
+                    shown = os.path.join(self.url, *d)
+                    raise StorageError(f"fsync of directory {shown} failed: {exc}") from exc
+        finally:
+            for fd in fds.values():
+                os.close(fd)

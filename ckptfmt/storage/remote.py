@@ -7,12 +7,34 @@ import secrets
 from typing import Any
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError
-from .base import Capabilities, OutputFile, Store
+from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
 
 # Filesystems whose writes become visible only when complete (multipart upload), so a failed write
 # can be discarded without ever appearing under the final name.
 _ATOMIC_PUT = {"s3", "s3a", "gcs", "gs", "abfs", "az"}
 PART_SIZE = 64 << 20
+
+
+def lost_create_race(exc: BaseException) -> bool:
+    """Whether an exclusive write failed because the object exists: S3 answers a lost
+    ``If-None-Match: *`` with HTTP 412 ``PreconditionFailed``. Read from the status code and error
+    code of any botocore-style error in the exception's cause/context chain, never from its text."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 32:
+        seen.add(id(current))
+        if isinstance(current, FileExistsError):
+            return True
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error")
+            meta = response.get("ResponseMetadata")
+            code = error.get("Code") if isinstance(error, dict) else None
+            status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class DirectOutput(OutputFile):
@@ -136,16 +158,24 @@ class FsspecStore(Store):
         except FileExistsError:
             raise
         except Exception as exc:
-            # S3 answers a lost If-None-Match race with 412 PreconditionFailed
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+            if lost_create_race(exc):
                 raise FileExistsError(path) from exc
             raise self._wrap(exc, path, "exclusive write", writing=True) from exc
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        size = self.size(path)
+        if size > max_size:
+            raise SizeMismatchError(f"is {size} bytes, more than the {max_size} this file may have", path=path)
+        if size == 0:
+            return b""  # a ranged GET of an empty object is "not satisfiable"
         try:
-            return bytes(self.fs.cat_file(self._full(path)))
+            # Ranged, so an object replaced meanwhile by a bigger one still costs at most max_size + 1 bytes.
+            data = bytes(self.fs.cat_file(self._full(path), start=0, end=max_size + 1))
         except Exception as exc:
             raise self._wrap(exc, path, "read") from exc
+        if len(data) > max_size:
+            raise SizeMismatchError(f"is more than the {max_size} bytes this file may have", path=path)
+        return data
 
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
