@@ -239,14 +239,15 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
 def _rollback_point(
     *,
     optimizer: torch.optim.Optimizer | None,
-    sampler: Any,
     scheduler: Any,
     scaler: Any,
     generators: Mapping[str, np.random.Generator] | None,
 ) -> list[tuple[str, Any]]:
     """What to put back if applying fails half-way (the model is applied last, after every check)."""
     saved: list[tuple[str, Any]] = []
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler), ("data", sampler)):
+    # Not the data source: it is applied after all of these, and asking some loaders for their state has
+    # side effects (a fresh torchdata StatefulDataLoader's state_dict() changes its next epoch's order).
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             # load_state_dict gives an optimizer new state tensors and leaves the old ones alone: references
             # suffice there (no second copy of the optimizer state); the others are small.
@@ -282,7 +283,7 @@ def apply(
     """Put a verified snapshot into the live objects, all or nothing.
 
     Everything is checked first (fields present, weights' names and shapes, optimizer class and groups,
-    the data position's kind); then the data position, scheduler, scaler, optimizer and RNG are applied,
+    the data position's kind); then the scheduler, scaler, optimizer, RNG and data position are applied,
     and the model last. If one of them still fails, the ones already applied are put back.
     """
     missing = missing_fields(
@@ -299,12 +300,8 @@ def apply(
         _check_optimizer(optimizer, snap)
     if sampler is not None:
         loader_mod.check_restorable(sampler, snap.contexts["data"])
-    saved = _rollback_point(
-        optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler, generators=generators
-    )
+    saved = _rollback_point(optimizer=optimizer, scheduler=scheduler, scaler=scaler, generators=generators)
     try:
-        if sampler is not None:
-            loader_mod.restore_data(sampler, snap.contexts["data"])
         if scheduler is not None:
             state.apply_stateful("scheduler", scheduler, snap)
         if scaler is not None:
@@ -313,6 +310,8 @@ def apply(
             state.apply_optimizer(optimizer, snap)
         if restore_rng:
             rng.restore(snap.contexts["rng"], generators)
+        if sampler is not None:
+            loader_mod.restore_data(sampler, snap.contexts["data"])
         state.apply_model(model, snap)
     except BaseException:
         _roll_back(saved, generators)

@@ -282,7 +282,7 @@ def data_field(source: Any, *, policy: Policy = "strict", steps_passed: bool = T
         return dict(data)
     # A stateful loader with its own state shape (torchdata's StatefulDataLoader): kept whole under
     # "loader", next to the required keys, filled in as well as the loader lets us.
-    yielded = data.get("_num_yielded", 0) if isinstance(data, Mapping) else 0
+    yielded = _num_yielded(data)
     size = getattr(source, "batch_size", None) or 1
     offset = int(getattr(source, "consumed", 0)) or (yielded * size if isinstance(yielded, int) else 0)
     epoch = data.get("epoch", 0) if isinstance(data, Mapping) else 0
@@ -292,6 +292,16 @@ def data_field(source: Any, *, policy: Policy = "strict", steps_passed: bool = T
         "global_sample_offset": max(0, offset),
         "loader": {"kind": kind, "state": torch_state._plain(data, "data.loader")},
     }
+
+
+def _num_yielded(data: object) -> int:
+    """Batches a StatefulDataLoader handed out this epoch (kept in its main snapshot with workers)."""
+    if not isinstance(data, Mapping):
+        return 0
+    snapshot = data.get("_snapshot")
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, Mapping) else None
+    count = main.get("_sampler_iter_yielded") if isinstance(main, Mapping) else data.get("_num_yielded")
+    return count if isinstance(count, int) and count >= 0 else 0
 
 
 def inexact_resume_reasons(source: Any) -> list[str]:
@@ -305,6 +315,14 @@ def inexact_resume_reasons(source: Any) -> list[str]:
             "(and a shuffling sampler's order) from torch's global RNG; the resumed process creates its iterator "
             "at another step than the original did, so dropout masks and every other global draw after the resume "
             "differ. Pass generator=torch.Generator().manual_seed(SEED), or use ckptfmt.torch.ResumableDataLoader"
+        )
+    shared = getattr(_inner_sampler(source), "generator", None)
+    if isinstance(source, DataLoader) and shared is not None and shared is source.generator and not reasons:
+        reasons.append(
+            f"the {type(source).__name__}'s shuffling sampler and its workers' base seed draw from one generator "
+            "(shuffle=True with generator=…), so the epoch after a mid-epoch resume gets another order. Pass "
+            "sampler=RandomSampler(dataset, generator=torch.Generator().manual_seed(SEED)) and a separate "
+            "generator=, or use ckptfmt.torch.ResumableDataLoader"
         )
     if _is_plain_loader(source):
         inner = _inner_sampler(source)
