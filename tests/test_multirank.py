@@ -1,0 +1,133 @@
+"""Several ranks writing one checkpoint through the library API (ranks as threads, ThreadCollective)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptfmt
+from ckptfmt import CollectiveError, ThreadCollective
+from ckptfmt.errors import CheckpointError, CheckpointLockedError, ChunkLayoutError
+from ckptfmt.paths import LOCK_NAME
+
+
+def run_ranks(world: int, body: Callable[[int, ThreadCollective], object], timeout: float = 20.0) -> list[object]:
+    """Run ``body(rank, collective)`` on ``world`` threads; each result or raised exception, by rank."""
+    group = ThreadCollective.group(world, timeout=timeout)
+    results: list[object] = [None] * world
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(rank, group[rank])
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+        assert not t.is_alive(), "a rank hung"
+    return results
+
+
+FULL = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+BOUNDS = [0, 3, 6, 8, 10]  # uneven row shards
+
+
+def write_rank(root: Path, rank: int, collective: ThreadCollective) -> str:
+    with ckptfmt.open_writer(root, profile="weights", collective=collective, target_file_size=64) as w:
+        lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+        w.write_tensor("weights", "emb", FULL[lo:hi], global_shape=FULL.shape, offsets=(lo, 0))
+        if rank == 1:  # a replicated tensor written once, by a rank other than the coordinator
+            w.write_tensor("weights", "bias", np.ones(6, np.float32))
+        w.write_context("data", {"epoch": 0, "global_sample_offset": 0}) if rank == 2 else None
+    assert w.checkpoint_id is not None
+    return w.checkpoint_id
+
+
+def test_four_ranks_commit_one_checkpoint(tmp_path: Path) -> None:
+    results = run_ranks(4, lambda r, c: write_rank(tmp_path, r, c))
+    assert len(set(results)) == 1 and isinstance(results[0], str)  # the same id on every rank
+    ckpt = ckptfmt.open(tmp_path)
+    assert ckpt.id == results[0]
+    assert np.array_equal(ckpt.read_tensor("weights", "emb"), FULL)
+    assert np.array_equal(ckpt.read_tensor("weights", "bias"), np.ones(6, np.float32))
+    assert ckpt.read_context("data")["epoch"] == 0
+    paths = {f.path for f in ckpt.manifest.files}
+    assert {p.split("/")[1][:6] for p in paths if p.endswith(".safetensors")} == {
+        "r00000",
+        "r00001",
+        "r00002",
+        "r00003",
+    }
+    assert "data/context.r00002.msgpack" in paths
+    assert ckpt.verify().ok
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_a_failing_rank_aborts_every_rank_with_the_same_error(tmp_path: Path) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        with ckptfmt.open_writer(tmp_path, profile="weights", collective=collective) as w:
+            lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+            w.write_tensor("weights", "emb", FULL[lo:hi], global_shape=FULL.shape, offsets=(lo, 0))
+            if rank == 3:
+                raise ChunkLayoutError("rank 3 could not shard", tensor="emb")
+        return "committed"
+
+    results = run_ranks(4, body)
+    assert all(isinstance(r, CheckpointError) for r in results)
+    assert {type(r) for r in results[:3]} == {ChunkLayoutError}
+    assert all("rank 3 could not shard" in str(r) for r in results)
+    assert _leftovers(tmp_path) == []
+
+
+def test_chunks_that_do_not_tile_across_ranks_are_refused_everywhere(tmp_path: Path) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        with ckptfmt.open_writer(tmp_path, profile="weights", collective=collective) as w:
+            if rank != 2:  # rank 2's rows are missing: a gap only the coordinator can see
+                lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+                w.write_tensor("weights", "emb", FULL[lo:hi], global_shape=FULL.shape, offsets=(lo, 0))
+            else:
+                w.write_tensors("weights", {})
+        return "committed"
+
+    results = run_ranks(4, body)
+    assert all(isinstance(r, ChunkLayoutError) and "gap" in str(r) for r in results)
+    assert _leftovers(tmp_path) == []
+    with pytest.raises(ckptfmt.CheckpointNotFoundError):
+        ckptfmt.open(tmp_path)
+
+
+def test_a_vanished_rank_makes_the_others_fail_not_hang(tmp_path: Path) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        w = ckptfmt.open_writer(tmp_path, profile="weights", collective=collective)
+        lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+        w.write_tensor("weights", "emb", FULL[lo:hi], global_shape=FULL.shape, offsets=(lo, 0))
+        if rank == 1:
+            collective.abandon()  # as if the process died: it never reaches the commit
+            return "gone"
+        return w.commit()
+
+    results = run_ranks(4, body, timeout=5.0)
+    assert results[1] == "gone"
+    assert all(isinstance(results[r], CollectiveError) for r in (0, 2, 3))
+    with pytest.raises(CheckpointError):  # nothing committed: incomplete (rank 1's file) or empty
+        ckptfmt.open(tmp_path)
+
+
+def test_a_lock_held_elsewhere_refuses_every_rank(tmp_path: Path) -> None:
+    holder = ckptfmt.open_writer(tmp_path, profile="weights")
+    try:
+        results = run_ranks(3, lambda r, c: ckptfmt.open_writer(tmp_path, profile="weights", collective=c))
+        assert all(isinstance(r, CheckpointLockedError) for r in results)
+    finally:
+        holder.abort()
