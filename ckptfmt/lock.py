@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from .errors import CheckpointError
+from .jsonio import load_json
 from .paths import LOCK_NAME
 from .storage import Store
+
+MAX_LOCK_BYTES = 64 << 10  # a host name, a pid, a nonce and a time; anything larger is not a lock
+MAX_PID = (1 << 31) - 1  # os.kill takes a C int; 0 and negative pids name process groups, never a writer
 
 # Nonces of locks this process failed to remove while aborting (storage unreachable): their holder is
 # known to be gone, so a later writer in this process may take them over.
@@ -51,34 +55,46 @@ class WriterLock:
             return True
         if self.host != socket.gethostname():
             return False
+        if not 0 < self.pid <= MAX_PID:
+            return False  # not a pid this host could have: unknown, so presumed live
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return True
-        except PermissionError:
+        except OSError:
             return False
         return False
 
     def age_seconds(self) -> float | None:
+        """Seconds since ``started_at``; None when it is not a UTC ISO 8601 time (then the age is unknown)."""
         try:
             started = datetime.fromisoformat(self.started_at.replace("Z", "+00:00"))
         except ValueError:
             return None
-        return (datetime.now(timezone.utc) - started).total_seconds()
+        if started.utcoffset() is None:
+            return None  # a time without a zone cannot be compared with now
+        try:
+            return (datetime.now(timezone.utc) - started).total_seconds()
+        except OverflowError:
+            return None
 
     def abandon(self) -> None:
         _ABANDONED.add(self.nonce)
 
 
 def read_lock(store: Store, path: str = LOCK_NAME) -> WriterLock | None:
-    """The lock at ``path``, or None when there is none or it cannot be read as a lock."""
+    """The lock at ``path``, or None when there is none or it cannot be read as a lock (not JSON, wrong
+    types, a symlink or special file, too large): callers then presume its holder alive."""
     try:
-        info = json.loads(store.read(path))
-    except (CheckpointError, ValueError):
+        data = store.read(path, max_size=MAX_LOCK_BYTES)
+        info = load_json(data, error=CheckpointError, what="writer lock", path=path)
+    except CheckpointError:
         return None
     if not isinstance(info, dict):
         return None
     host, pid, nonce, started = info.get("host"), info.get("pid"), info.get("nonce"), info.get("started_at")
     if not (isinstance(host, str) and type(pid) is int and isinstance(nonce, str) and isinstance(started, str)):
+        return None
+    if not 0 < pid <= MAX_PID:
         return None
     return WriterLock(host=host, pid=pid, nonce=nonce, started_at=started)

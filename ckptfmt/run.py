@@ -10,6 +10,7 @@ The same rules serve the trainer's CheckpointManager, ``ckpt ls`` and ``ckpt gc`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -17,18 +18,30 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import CheckpointError
+from .errors import CheckpointError, MissingFileError, UnsafePathError
+from .jsonio import load_json
+from .layout import CONTEXT_NAME, DATA_SUFFIX
 from .lock import read_lock
-from .manifest import checkpoint_id, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, checkpoint_id, parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME
 from .storage import Store, open_store
 
+log = logging.getLogger(__name__)
+
 LATEST_NAME = "latest.json"
 PINS_NAME = "pins.json"
+MAX_POINTER_BYTES = 1 << 20  # latest.json and pins.json: a name, a step, an id; a list of names
 _STEP = re.compile(r"(\d+)$")
 Status = Literal["committed", "incomplete", "writing", "invalid manifest"]
-# A file the reference writer puts in a checkpoint: how an uncommitted one is told from any other directory.
-_LAYOUT = re.compile(r"[a-z][a-z0-9_]{0,63}/(\.?r\d{5}-\d{5}\.safetensors(\.tmp-[0-9a-f]+)?|\.?context\.msgpack.*)")
+# What a ckptfmt writer makes in a checkpoint root (spec/layout.md, ckptfmt/layout.py), matched exactly:
+# manifest.json, .writer-lock, <field>/r<RANK>-<SEQ>.safetensors, <field>/context.msgpack, and the temp
+# names ".<name>.tmp-<12 hex>" both LocalStore and the fsspec rename path write them under.
+_FIELD = r"[a-z][a-z0-9_]{0,63}"
+_FINAL = re.compile(
+    rf"{re.escape(MANIFEST_NAME)}|{re.escape(LOCK_NAME)}"
+    rf"|{_FIELD}/(?:r\d{{5,}}-\d{{5,}}{re.escape(DATA_SUFFIX)}|{re.escape(CONTEXT_NAME)})"
+)
+_TEMP = re.compile(r"(?:(?P<dir>[^/]+)/)?\.(?P<name>[^/]+)\.tmp-[0-9a-f]{12}")
 # A writer lock from another host is presumed live for this long: its holder's pid cannot be checked from here.
 DEFAULT_STALE_AFTER_S = 24 * 3600
 
@@ -37,13 +50,22 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def writer_made(path: str) -> bool:
+    """Whether a ckptfmt writer makes a file at ``path`` (relative to a checkpoint root): a final name or
+    the temp name of one. Only such files are garbage collection's to delete."""
+    temp = _TEMP.fullmatch(path)
+    if temp is not None:
+        path = f"{temp['dir']}/{temp['name']}" if temp["dir"] else temp["name"]
+    return _FINAL.fullmatch(path) is not None
+
+
 def is_checkpoint_dir(files: Iterable[str]) -> bool:
     """Whether a child of a run directory is a checkpoint or the remains of one (paths relative to it).
 
-    It is when it has a manifest, a writer lock, or a file laid out as the writer lays them out; any
-    other directory (logs, say) is not the run's to list or delete.
+    It is when it holds a file a ckptfmt writer makes, named exactly so (see :func:`writer_made`); any
+    other directory (logs, say, or a user's ``context.msgpack.bak``) is not the run's to list or delete.
     """
-    return any(p in (MANIFEST_NAME, LOCK_NAME) or _LAYOUT.fullmatch(p) for p in files)
+    return any(writer_made(p) for p in files)
 
 
 def step_of(name: str) -> int | None:
@@ -64,6 +86,10 @@ class Entry:
     profile: str | None = None
     created: str | None = None
     error: dict[str, str] | None = None  # CheckpointError.to_dict(): why the manifest or provenance is unreadable
+    # Paths (relative to the checkpoint) no ckptfmt writer makes: neither listed by the manifest nor named
+    # as a writer names its files, or (uncommitted, local) a symlink or special file. gc never deletes them,
+    # and leaves an uncommitted checkpoint holding any alone.
+    foreign: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +102,7 @@ class Entry:
             "profile": self.profile,
             "created": self.created,
             "error": self.error,
+            "foreign": list(self.foreign),
         }
 
 
@@ -129,19 +156,35 @@ class RunDirectory:
         out.sort(key=lambda e: (e.step if e.step is not None else -1, e.name), reverse=True)
         return out
 
+    def _is_plain_file(self, path: str) -> bool:
+        """A regular file, not a symlink or special file (object stores hold nothing else)."""
+        if not self.store.capabilities.local:
+            return True
+        try:
+            self.store.size(path)
+        except MissingFileError:
+            return True  # gone meanwhile: nothing to delete either way
+        except UnsafePathError:
+            return False
+        return True
+
     def _entry(self, name: str, files: dict[str, int]) -> Entry:
         size = sum(files.values())
-        common = {"name": name, "step": step_of(name), "size": size, "files": len(files)}
+        common: dict[str, Any] = {"name": name, "step": step_of(name), "size": size, "files": len(files)}
         if MANIFEST_NAME not in files:
+            foreign = tuple(sorted(p for p in files if not (writer_made(p) and self._is_plain_file(f"{name}/{p}"))))
             live = LOCK_NAME in files and _lock_is_live(self.store, name, self.stale_after_s)
-            return Entry(status="writing" if live else "incomplete", **common)  # type: ignore[arg-type]
+            status: Status = "writing" if live else "incomplete"
+            return Entry(status=status, foreign=foreign, **common)
         from .reader import open_checkpoint
 
         try:
-            data = self.store.read(f"{name}/{MANIFEST_NAME}")
+            data = self.store.read(f"{name}/{MANIFEST_NAME}", max_size=MAX_MANIFEST_BYTES)
             manifest = parse_manifest(data)  # what every reader checks before it trusts a manifest
         except CheckpointError as exc:
-            return Entry(status="invalid manifest", error=exc.to_dict(), **common)  # type: ignore[arg-type]
+            return Entry(status="invalid manifest", error=exc.to_dict(), **common)
+        listed = {f.path for f in manifest.files}
+        common["foreign"] = tuple(sorted(p for p in files if p not in listed and not writer_made(p)))
         created, error = None, None
         try:
             with open_checkpoint(self.child_url(name), self.storage_options) as ckpt:
@@ -159,29 +202,76 @@ class RunDirectory:
             profile=manifest.profile,
             created=created,
             error=error,
-            **common,  # type: ignore[arg-type]
+            **common,
         )
 
     # ---------------------------------------------------------------- latest and pins
 
-    def latest(self) -> dict[str, Any] | None:
+    def _read_pointer(self, path: str) -> object:
+        """A small JSON document of the run directory; None if absent, CheckpointError if unreadable."""
         try:
-            value = json.loads(self.store.read(LATEST_NAME))
-        except (CheckpointError, ValueError):
+            data = self.store.read(path, max_size=MAX_POINTER_BYTES)
+        except MissingFileError:
             return None
-        return value if isinstance(value, dict) and isinstance(value.get("name"), str) else None
+        return load_json(data, error=CheckpointError, what=path, path=path)
+
+    def read_latest(self) -> dict[str, Any] | None:
+        """The ``latest`` pointer, None if there is none; CheckpointError naming the file if it is unreadable
+        (not JSON, wrong types, a symlink or special file, too large)."""
+        value = self._read_pointer(LATEST_NAME)
+        if value is None:
+            return None
+        name = value.get("name") if isinstance(value, dict) else None
+        step = value.get("step") if isinstance(value, dict) else None
+        ckpt_id = value.get("checkpoint_id") if isinstance(value, dict) else None
+        if not (
+            isinstance(name, str)
+            and (step is None or type(step) is int)
+            and (ckpt_id is None or isinstance(ckpt_id, str))
+        ):
+            raise CheckpointError(
+                'must be {"name": string, "step": integer, "checkpoint_id": string}', path=LATEST_NAME
+            )
+        assert isinstance(value, dict)
+        return value
+
+    def latest(self) -> dict[str, Any] | None:
+        """The ``latest`` pointer, or None when there is none or it cannot be read: it is a hint.
+
+        Listing and restoring never depend on it (``entries`` and ``restore_latest`` look at the
+        checkpoints themselves); gc keeps every committed checkpoint while it cannot be read.
+        """
+        try:
+            return self.read_latest()
+        except CheckpointError:
+            return None
 
     def set_latest(self, name: str, step: int, ckpt_id: str) -> None:
         """Point ``latest`` at a committed checkpoint; one atomic replace (rename locally, one PUT remotely)."""
         self._replace(LATEST_NAME, {"name": name, "step": step, "checkpoint_id": ckpt_id})
 
     def pinned(self) -> set[str]:
-        try:
-            value = json.loads(self.store.read(PINS_NAME))
-        except (CheckpointError, ValueError):
+        """The pinned checkpoints' names; CheckpointError naming ``pins.json`` if it exists but cannot be read."""
+        value = self._read_pointer(PINS_NAME)
+        if value is None:
             return set()
         pins = value.get("pinned") if isinstance(value, dict) else None
-        return {p for p in pins if isinstance(p, str)} if isinstance(pins, list) else set()
+        if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
+            raise CheckpointError('must be {"pinned": [checkpoint names]}', path=PINS_NAME)
+        return set(pins)
+
+    def retention_hold(self) -> str | None:
+        """Why retention must delete no committed checkpoint now, or None: ``pins.json`` or ``latest.json``
+        exists but cannot be read, so which checkpoints they protect is unknown."""
+        problems = []
+        for read in (self.pinned, self.read_latest):
+            try:
+                read()
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        if not problems:
+            return None
+        return "; ".join(problems) + " — committed checkpoints are kept until it is repaired"
 
     def set_pinned(self, names: Iterable[str]) -> None:
         self._replace(PINS_NAME, {"pinned": sorted(set(names))})
@@ -211,7 +301,11 @@ class RunDirectory:
         remains of dead writers. Never a checkpoint a live writer holds, one whose manifest is invalid,
         nor one in ``protect``. ``keep_last`` counts committed checkpoints from the highest step down."""
         entries = self.entries() if entries is None else entries
-        keep = set(protect) | self.pinned()
+        hold = self.retention_hold()
+        if hold is not None:
+            log.warning("retention suspended: %s", hold)
+            keep_last = None  # delete only the remains of dead writers
+        keep = set(protect) | (self.pinned() if hold is None else set())
         latest = self.latest()
         if latest:
             keep.add(latest["name"])
@@ -228,22 +322,40 @@ class RunDirectory:
                 continue
             if entry.status == "committed" and keep_last is None:
                 continue  # no retention rule given: gc removes only the remains of dead writers
+            if entry.status != "committed" and entry.foreign:
+                continue  # not provably a writer's remains: someone else's files live there
             doomed.append(entry)
         return doomed
 
-    def delete(self, name: str) -> None:
-        """Remove one checkpoint: the manifest first, so it is never seen committed with files missing."""
-        files = [p for p in self.store.list() if p.startswith(name + "/")]
-        manifest = f"{name}/{MANIFEST_NAME}"
-        if manifest in files:
-            self.store.delete(manifest)
-        for path in files:
-            if path != manifest:
-                self.store.delete(path)
+    def delete(self, name: str) -> list[str]:
+        """Remove one checkpoint, file by file, and the directories so emptied; returns what was left.
+
+        Only files a ckptfmt writer made are deleted: those the manifest lists and those named exactly as
+        a writer names them (:func:`writer_made`), regular files only. The manifest goes first, so the
+        checkpoint is never seen committed with files missing; the writer lock last. Anything else (a
+        user's file, a symlink, a special file) is left where it is, with the directories holding it.
+        """
+        prefix = name + "/"
+        files = [p[len(prefix) :] for p in self.store.list() if p.startswith(prefix)]
+        listed: set[str] = set()
+        if MANIFEST_NAME in files:
+            try:
+                data = self.store.read(prefix + MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
+                listed = {f.path for f in parse_manifest(data).files}
+            except CheckpointError:
+                listed = set()  # only names the writer uses are then ours to delete
+        ours = [p for p in files if (p in listed or writer_made(p)) and self._is_plain_file(prefix + p)]
+        order = {MANIFEST_NAME: 0, LOCK_NAME: 2}
+        for path in sorted(ours, key=lambda p: order.get(p, 1)):
+            self.store.delete(prefix + path)
         for path, upload_id in self.store.pending_uploads():
-            if path.startswith(name + "/"):
+            if path.startswith(prefix):
                 self.store.abort_upload(path, upload_id)
-        self.store.remove_empty_dirs()
+        self.store.remove_empty_dirs(name)
+        left = sorted(set(files) - set(ours))
+        if left:
+            log.warning("%s: left %d file(s) no ckptfmt writer made: %s", name, len(left), ", ".join(left[:5]))
+        return left
 
     def gc(
         self,

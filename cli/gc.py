@@ -9,7 +9,7 @@ import click
 from ckptfmt.run import RunDirectory
 
 from .errors import reports_errors
-from .ls import check_run_dir
+from .ls import check_run_dir, strays
 from .options import json_output, storage_options
 from .output import emit_json, human_bytes, info
 
@@ -46,20 +46,40 @@ def gc_cmd(
     """
     check_run_dir(run_url, storage_options)
     run = RunDirectory(run_url, storage_options)
+    hold = run.retention_hold()
     doomed = run.gc(keep_last=keep_last, keep_every=keep_every, dry_run=dry_run)
     kept = [e for e in run.entries() if e.name not in {d.name for d in doomed}]
+    # Only what a ckptfmt writer made is deleted: an uncommitted directory holding anything else stays whole,
+    # and other files in a deleted checkpoint's directory stay where they are.
+    left_alone = [e for e in kept if e.status == "incomplete" and e.foreign]
+    skipped = strays(run_url, storage_options)
     if as_json:
         emit_json(
             {
                 "url": run_url,
                 "dry_run": dry_run,
-                "deleted": [{"name": e.name, "step": e.step, "status": e.status, "size": e.size} for e in doomed],
+                "deleted": [
+                    {"name": e.name, "step": e.step, "status": e.status, "size": e.size, "left": list(e.foreign)}
+                    for e in doomed
+                ],
                 "kept": [{"name": e.name, "step": e.step, "status": e.status} for e in kept],
+                "left_alone": [
+                    {"name": e.name, "reason": "foreign files", "foreign": list(e.foreign)} for e in left_alone
+                ],
+                "not_followed": skipped,
+                "retention_hold": hold,
             }
         )
         return
+    if hold is not None:
+        info(f"retention suspended: {hold}")
     verb = "would delete" if dry_run else "deleted"
     for e in doomed:
-        click.echo(f"{verb} {e.name} ({e.status}, {human_bytes(e.size)})")
+        left = f"; {len(e.foreign)} file(s) no ckptfmt writer made left in place" if e.foreign else ""
+        click.echo(f"{verb} {e.name} ({e.status}, {human_bytes(e.size)}){left}")
+    for e in left_alone:
+        click.echo(f"left alone {e.name} (foreign files, e.g. {e.foreign[0]})")
+    for stray in skipped:
+        info(f"not followed: {stray}")
     freed = sum(e.size for e in doomed)
     info(f"{len(doomed)} checkpoint(s) {verb}, {human_bytes(freed)}; {len(kept)} kept")

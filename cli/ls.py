@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -12,10 +13,11 @@ from ckptfmt.convert.base import Location, fs_call, locate
 from ckptfmt.errors import UsageError
 from ckptfmt.paths import MANIFEST_NAME
 from ckptfmt.run import RunDirectory
+from ckptfmt.storage.local import kind_of, lstat_children, walk_lstat
 
 from .errors import reports_errors
 from .options import json_output, storage_options
-from .output import emit_json, human_bytes, table
+from .output import emit_json, human_bytes, info, table
 
 _MTIME_KEYS = ("mtime", "LastModified", "last_modified", "created")
 
@@ -43,12 +45,35 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _find(run: Location) -> dict[str, Mapping[str, Any]]:
+    """Every file below the run directory -> fsspec-style detail; on a local disk walked following no
+    symlink (fsspec's find descends into symlinked directories)."""
+    if not run.is_local:
+        found: dict[str, Mapping[str, Any]] = fs_call(run.url, run.fs.find, run.path, detail=True, withdirs=False)
+        return found
+    prefix = run.path.rstrip("/") + "/"
+    return {prefix + rel: {"mtime": st.st_mtime, "size": st.st_size} for rel, st in walk_lstat(run.path).items()}
+
+
+def strays(run_url: str, opts: dict[str, Any]) -> list[str]:
+    """Children of a local run directory that are symlinks or special files: never followed, listed or
+    deleted; named so that an operator knows they were seen."""
+    run = locate(run_url, opts)
+    if not run.is_local:
+        return []
+    return [
+        f"{name} ({kind_of(st.st_mode)})"
+        for name, st in sorted(lstat_children(run.path))
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode))
+    ]
+
+
 def check_run_dir(run_url: str, opts: dict[str, Any]) -> tuple[Location, dict[str, Mapping[str, Any]]]:
     """The run directory's location and its files (fsspec detail); refuses what is not a run directory."""
     run = locate(run_url, opts)
     if not fs_call(run.url, run.fs.isdir, run.path):
         raise UsageError("not a directory", path=run.url)
-    found = fs_call(run.url, run.fs.find, run.path, detail=True, withdirs=False)
+    found = _find(run)
     prefix = run.path.rstrip("/") + "/"
     if MANIFEST_NAME in {str(n)[len(prefix) :] for n in found}:
         raise UsageError("this is a checkpoint, not a run directory; use `ckpt inspect`", path=run.url)
@@ -65,13 +90,15 @@ def list_run(run_url: str, opts: dict[str, Any]) -> list[dict[str, Any]]:
     run, found = check_run_dir(run_url, opts)
     prefix = run.path.rstrip("/") + "/"
     newest: dict[str, float] = {}
-    for full, info in found.items():
+    for full, detail in found.items():
         name, sep, _ = str(full)[len(prefix) :].partition("/")
-        stamp = _mtime(info)
+        stamp = _mtime(detail)
         if sep and stamp is not None:
             newest[name] = max(stamp, newest.get(name, stamp))
     entries = []
     for e in RunDirectory(run_url, opts).entries():
+        if e.foreign and e.status != "committed":
+            info(f"{e.name}: {len(e.foreign)} file(s) no ckptfmt writer made (e.g. {e.foreign[0]}); gc leaves it alone")
         created = e.created if _timestamp(e.created) is not None else _iso(newest.get(e.name))
         entries.append(
             {
@@ -106,6 +133,8 @@ def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None
     its writer is gone), or invalid manifest. The same rules as ``ckpt gc``.
     """
     entries = list_run(run_url, storage_options)
+    for stray in strays(run_url, storage_options):
+        info(f"skipped {stray}: symlinks and special files in a run directory are never followed")
     if as_json:
         emit_json({"url": run_url, "checkpoints": entries})
         return

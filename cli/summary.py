@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import ckptfmt
 from ckptfmt.errors import CheckpointError
+from ckptfmt.jsonio import load_json
+from ckptfmt.lock import MAX_LOCK_BYTES
 from ckptfmt.paths import LOCK_NAME
 
 from .output import jsonable
@@ -32,8 +33,9 @@ def summarize_context(field: str, value: Mapping[str, object]) -> dict[str, Any]
     if field == "data":
         keep = ("epoch", "global_sample_offset", "dataset", "sampler")
         out: dict[str, Any] = {k: jsonable(value[k]) for k in keep if k in value}
-        if "shard_offsets" in value:
-            out["shards"] = len(value["shard_offsets"])  # type: ignore[arg-type]
+        offsets = value.get("shard_offsets")
+        if isinstance(offsets, (Mapping, list)):
+            out["shards"] = len(offsets)
         if "quarantined_shards" in value:
             out["quarantined_shards"] = jsonable(value["quarantined_shards"])
         return out
@@ -112,9 +114,10 @@ def describe_incomplete(url: str, storage_options: Mapping[str, Any], message: s
     files = store.list()
     lock: object = None
     if LOCK_NAME in files:
-        try:
-            lock = json.loads(store.read(LOCK_NAME))
-        except (CheckpointError, ValueError):
+        try:  # shown as it is; bounded and strict, a symlink or special file refused
+            data = store.read(LOCK_NAME, max_size=MAX_LOCK_BYTES)
+            lock = load_json(data, error=CheckpointError, what="writer lock", path=LOCK_NAME)
+        except CheckpointError:
             lock = {"error": "unreadable"}
     return {
         "url": store.url,

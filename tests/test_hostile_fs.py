@@ -10,6 +10,7 @@ timing is asserted.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import stat
@@ -24,9 +25,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import run_cli
+from run_helpers import dead_pid, lock_of, write_step
 
 import ckptfmt
-from ckptfmt.errors import SizeMismatchError, UnsafePathError
+from ckptfmt.errors import CheckpointError, SizeMismatchError, UnsafePathError
+from ckptfmt.lock import read_lock
+from ckptfmt.run import RunDirectory, checkpoint_name, writer_made
 from ckptfmt.storage import LocalStore
 
 T = TypeVar("T")
@@ -118,8 +122,13 @@ def make_special(path: Path, kind: str) -> None:
         os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
     elif kind == "socket":
         sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(path))
-        sock.close()
+        cwd = os.getcwd()
+        os.chdir(path.parent)  # a relative name: AF_UNIX paths are limited to ~100 bytes
+        try:
+            sock.bind(path.name)
+        finally:
+            os.chdir(cwd)
+            sock.close()
     elif kind == "devzero_link":
         path.symlink_to("/dev/zero")
     else:
@@ -274,3 +283,245 @@ def test_a_sparse_manifest_is_refused_before_it_is_read(tmp_path: Path) -> None:
     with pytest.raises(SizeMismatchError, match=r"manifest\.json"):
         ckptfmt.open(root)
     assert_clean_failure(run_cli("inspect", str(root)))
+
+
+# ---------------------------------------------------------------- 2. gc deletes only what a writer made
+
+
+@pytest.mark.parametrize(
+    ("path", "made"),
+    [
+        ("manifest.json", True),
+        (".writer-lock", True),
+        ("weights/r00000-00000.safetensors", True),
+        ("weights/r123456-00001.safetensors", True),
+        ("optimizer/context.msgpack", True),
+        (".manifest.json.tmp-0123456789ab", True),
+        ("..writer-lock.tmp-0123456789ab", True),
+        ("weights/.r00000-00000.safetensors.tmp-0123456789ab", True),
+        ("weights/.context.msgpack.tmp-0123456789ab", True),
+        ("weights/context.msgpack.bak", False),
+        ("weights/.context.msgpack.swp", False),
+        ("weights/r00000-00000.safetensors.orig", False),
+        ("weights/.r00000-00000.safetensors.tmp-xyz", False),
+        ("weights/.r00000-00000.safetensors.tmp-0123456789abcdef", False),
+        ("Weights/r00000-00000.safetensors", False),
+        ("weights/sub/r00000-00000.safetensors", False),
+        ("weights/manifest.json", False),
+        ("notes.txt", False),
+        ("weights/.writer-lock", False),
+    ],
+)
+def test_writer_made_names_are_matched_exactly(path: str, made: bool) -> None:
+    assert writer_made(path) is made
+
+
+def test_writer_made_matches_what_the_writer_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every name a real save creates (temp names included) is one gc recognizes."""
+    created: list[str] = []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        created.extend([str(src), str(dst)])
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    small_checkpoint(tmp_path / "ckpt")
+    assert created and all(writer_made(f"weights/{n}") or writer_made(f"provenance/{n}") for n in created)
+    assert all(writer_made(p) for p in LocalStore(tmp_path / "ckpt").list())
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        write_step(root, step)
+    return root
+
+
+def test_gc_leaves_a_users_directory_with_a_leftover_looking_file(run: Path) -> None:
+    """The reported hole: one `context.msgpack.bak` made gc delete the whole directory."""
+    user = run / "analysis" / "weights"
+    user.mkdir(parents=True)
+    (user / "context.msgpack.bak").write_bytes(b"my backup")
+    (run / "analysis" / "notes.txt").write_text("mine")
+    (run / "tensorboard").mkdir()  # an empty directory of the user's: not gc's either
+    before = snapshot(run / "analysis")
+    assert "analysis" not in [e.name for e in RunDirectory(run).entries()]
+    result = run_cli("gc", str(run), "--keep-last", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert snapshot(run / "analysis") == before
+    assert (run / "tensorboard").is_dir()
+    assert [d["name"] for d in result.json()["deleted"]] == [checkpoint_name(2), checkpoint_name(1)]
+
+
+def test_gc_leaves_an_uncommitted_directory_holding_foreign_files_whole(run: Path) -> None:
+    name = "exports"
+    (run / name / "weights").mkdir(parents=True)
+    (run / name / "weights" / "r00000-00000.safetensors").write_bytes(b"exactly a writer's name")
+    (run / name / "weights" / "README").write_text("but this is not")
+    (run / name / ".writer-lock").write_text(json.dumps(lock_of(dead_pid())))
+    before = snapshot(run / name)
+    entry = next(e for e in RunDirectory(run).entries() if e.name == name)
+    assert entry.status == "incomplete" and entry.foreign == ("weights/README",)
+    assert name not in [e.name for e in RunDirectory(run).gc(keep_last=None)]
+    result = run_cli("gc", str(run), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["left_alone"] == [{"name": name, "reason": "foreign files", "foreign": ["weights/README"]}]
+    human = run_cli("gc", str(run))
+    assert f"left alone {name} (foreign files" in human.stdout
+    assert snapshot(run / name) == before
+
+
+def test_gc_deletes_a_committed_checkpoints_files_one_by_one_and_leaves_the_rest(run: Path) -> None:
+    doomed = run / checkpoint_name(1)
+    (doomed / "NOTES.md").write_text("a user's note inside a checkpoint")
+    (doomed / "weights" / "plot.png").write_bytes(b"png")
+    (doomed / "weights" / ".r00000-00009.safetensors.tmp-0123456789ab").write_bytes(b"a writer's temp")
+    result = run_cli("gc", str(run), "--keep-last", "2", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["deleted"][0]["left"] == ["NOTES.md", "weights/plot.png"]
+    assert snapshot(doomed) == {
+        "NOTES.md": "file " + hashlib.sha256(b"a user's note inside a checkpoint").hexdigest(),
+        "weights": f"mode {stat.S_IFDIR:o}",
+        "weights/plot.png": "file " + hashlib.sha256(b"png").hexdigest(),
+    }
+
+
+# ---------------------------------------------------------------- 7. run-directory hostility
+
+
+def test_symlinked_checkpoint_in_a_run_directory_is_never_followed(run: Path, outside: Sentinel) -> None:
+    (run / checkpoint_name(0)).symlink_to(outside.ckpt)
+    names = [e.name for e in RunDirectory(run).entries()]
+    assert checkpoint_name(0) not in names
+    result = run_cli("ls", str(run))
+    assert result.exit_code == 0 and f"skipped {checkpoint_name(0)} (a symlink)" in result.stderr
+    result = run_cli("gc", str(run), "--keep-last", "1")
+    assert result.exit_code == 0, result.stderr
+    assert f"not followed: {checkpoint_name(0)} (a symlink)" in result.stderr
+    assert (run / checkpoint_name(0)).is_symlink()
+
+
+def test_symlinks_inside_checkpoint_directories(run: Path, outside: Sentinel) -> None:
+    crashed = run / checkpoint_name(9)
+    crashed.mkdir()
+    (crashed / ".writer-lock").write_text(json.dumps(lock_of(dead_pid())))
+    (crashed / "weights").symlink_to(outside.top / "dir")  # its data "lives" outside: not followed
+    (run / checkpoint_name(1) / "extra").symlink_to(outside.top / "secret.txt")
+    (run / checkpoint_name(2) / "optimizer").symlink_to(outside.ckpt / "weights")
+    (run / "loop").symlink_to(".")
+    entries = {e.name: e for e in RunDirectory(run).entries()}
+    assert entries[checkpoint_name(9)].foreign == ("weights",)
+    for command in (("ls", str(run), "--json"), ("gc", str(run), "--keep-last", "1")):
+        assert run_cli(*command).exit_code == 0
+    assert (crashed / "weights").is_symlink() and (crashed / ".writer-lock").exists()  # left alone, whole
+    assert (run / checkpoint_name(1) / "extra").is_symlink()  # the link stays: gc made none
+    assert not (run / checkpoint_name(1) / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("kind", SPECIALS)
+def test_special_files_in_a_run_directory(run: Path, kind: str) -> None:
+    crashed = run / checkpoint_name(8)
+    (crashed / "weights").mkdir(parents=True)
+    make_special(crashed / "weights" / "r00000-00000.safetensors", kind)
+    (crashed / ".writer-lock").write_text(json.dumps(lock_of(dead_pid())))
+    locked = run / checkpoint_name(7)
+    locked.mkdir()
+    make_special(locked / ".writer-lock", kind)
+    make_special(run / "latest.json", kind)
+    entries = {e.name: e for e in no_hang(lambda: RunDirectory(run).entries())}
+    assert entries[checkpoint_name(8)].foreign == ("weights/r00000-00000.safetensors",)
+    assert entries[checkpoint_name(7)].status == "writing"  # an unreadable lock is presumed live
+    for command in ("ls", "gc"):
+        result = no_hang(lambda c=command: run_cli(c, str(run), "--json"))  # type: ignore[misc]
+        assert result.exit_code == 0, result.stderr
+    hold = run_cli("gc", str(run), "--keep-last", "1", "--json").json()
+    assert "latest.json" in hold["retention_hold"] and hold["deleted"] == []
+    assert os.path.lexists(crashed / "weights" / "r00000-00000.safetensors")
+    assert os.path.lexists(locked / ".writer-lock")
+
+
+# ---------------------------------------------------------------- 6. hostile JSON in run-directory files and locks
+
+
+HOSTILE_JSON = [
+    b"[" * 5000 + b"]" * 5000,
+    b'{"name": ' + b"9" * 5000 + b"}",
+    b'{"name": NaN}',
+    b'{"name": "a", "name": "b"}',
+    b"\xff\xfe",
+    b"[]",
+    b'"just a string"',
+    b'{"name": ["step-1"]}',
+    b'{"name": "step-000000001", "step": "one"}',
+    b'{"pinned": "step-000000001"}',
+    b'{"pinned": [1, 2]}',
+    b'{"pinned": {"a": 1}}',
+]
+
+
+@pytest.mark.parametrize("doc", HOSTILE_JSON)
+def test_hostile_latest_and_pins(run: Path, doc: bytes) -> None:
+    (run / "latest.json").write_bytes(doc)
+    rd = RunDirectory(run)
+    assert rd.latest() is None  # a hint: unreadable is "none"
+    assert [e.name for e in rd.entries()] == [checkpoint_name(s) for s in (3, 2, 1)]  # still lists
+    hold = rd.retention_hold()
+    assert hold is not None and "latest.json" in hold
+    assert rd.gc(keep_last=1) == []  # which checkpoint `latest` protects is unknown: none deleted
+    (run / "latest.json").unlink()
+    (run / "pins.json").write_bytes(doc)
+    with pytest.raises(CheckpointError, match=r"pins\.json"):
+        rd.pinned()
+    assert rd.gc(keep_last=1) == []
+    result = run_cli("gc", str(run), "--keep-last", "1")
+    assert result.exit_code == 0 and "retention suspended" in result.stderr and "pins.json" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "lock",
+    [
+        *HOSTILE_JSON,
+        json.dumps({"host": socket.gethostname(), "pid": 2**80, "nonce": "n", "started_at": "2026-01-01T00:00:00Z"}),
+        json.dumps({"host": socket.gethostname(), "pid": -1, "nonce": "n", "started_at": "2026-01-01T00:00:00Z"}),
+        json.dumps({"host": socket.gethostname(), "pid": 0, "nonce": "n", "started_at": "2026-01-01T00:00:00Z"}),
+        json.dumps({"host": "elsewhere", "pid": 1, "nonce": "n", "started_at": "2026-01-01T00:00:00"}),
+        json.dumps({"host": "elsewhere", "pid": 1, "nonce": "n", "started_at": "9999-12-31T23:59:59-23:59"}),
+        json.dumps({"host": "elsewhere", "pid": 1, "nonce": "n", "started_at": 5}),
+    ],
+)
+def test_hostile_writer_locks(run: Path, tmp_path: Path, lock: bytes | str) -> None:
+    data = lock.encode() if isinstance(lock, str) else lock
+    crashed = run / checkpoint_name(9)
+    (crashed / "weights").mkdir(parents=True)
+    (crashed / "weights" / "r00000-00000.safetensors").write_bytes(b"x")
+    (crashed / ".writer-lock").write_bytes(data)
+    store = LocalStore(crashed)
+    holder = read_lock(store)
+    assert holder is None or isinstance(holder.holder_is_dead(), bool)
+    if holder is not None:
+        holder.age_seconds()
+    entry = next(e for e in RunDirectory(run).entries() if e.name == checkpoint_name(9))
+    assert entry.status == "writing"  # unknown or unreadable: presumed live, never deleted
+    with pytest.raises(ckptfmt.CheckpointLockedError):
+        small_checkpoint(crashed)
+    for command in (("ls", str(run)), ("gc", str(run)), ("inspect", str(crashed), "--json")):
+        result = run_cli(*command)
+        assert result.exit_code in (0, 1) and "Traceback" not in result.stderr
+    assert (crashed / ".writer-lock").read_bytes() == data
+
+
+def test_sparse_run_directory_files_are_refused_unread(run: Path) -> None:
+    sparse(run / "latest.json", 8 * GiB, b"{")
+    sparse(run / "pins.json", 8 * GiB, b"{")
+    crashed = run / checkpoint_name(9)
+    crashed.mkdir()
+    sparse(crashed / ".writer-lock", 8 * GiB, b"{")
+    rd = RunDirectory(run)
+    assert rd.latest() is None
+    with pytest.raises(SizeMismatchError, match=r"pins\.json"):
+        rd.pinned()
+    assert read_lock(LocalStore(crashed)) is None
+    assert next(e for e in rd.entries() if e.name == checkpoint_name(9)).status == "writing"
+    assert_clean_failure(run_cli("inspect", str(crashed), "--json"))

@@ -219,6 +219,63 @@ def scan_dir(dir_fd: int) -> builtins.list[tuple[str, os.stat_result]]:
         return [(entry.name, entry.stat(follow_symlinks=False)) for entry in it]
 
 
+def lstat_children(directory: str | os.PathLike[str]) -> builtins.list[tuple[str, os.stat_result]]:
+    """(name, lstat) of each entry directly inside ``directory``; empty if it is no directory."""
+    try:
+        fd = os.open(os.fspath(directory), _ROOT_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise StorageError(f"cannot list {os.fspath(directory)}: {exc}") from exc
+    try:
+        return scan_dir(fd)
+    except OSError as exc:
+        raise StorageError(f"cannot list {os.fspath(directory)}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def walk_lstat(root: str | os.PathLike[str]) -> dict[str, os.stat_result]:
+    """Every non-directory entry below ``root`` -> its lstat, walked with directory fds following no
+    symlink (a symlink to a directory is an entry, not descended into); empty if ``root`` is no directory."""
+    out: dict[str, os.stat_result] = {}
+    try:
+        fd = os.open(os.fspath(root), _ROOT_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    except OSError as exc:
+        raise StorageError(f"cannot list {os.fspath(root)}: {exc}") from exc
+    try:
+        _walk_into(fd, "", out, 0)
+    finally:
+        os.close(fd)
+    return out
+
+
+def _walk_into(dir_fd: int, prefix: str, out: dict[str, os.stat_result], depth: int) -> None:
+    try:
+        entries = scan_dir(dir_fd)
+    except OSError as exc:
+        raise StorageError(f"cannot list: {exc}", path=prefix or None) from exc
+    for name, st in entries:
+        rel = prefix + name
+        if not stat.S_ISDIR(st.st_mode):
+            out[rel] = st
+            continue
+        if depth >= MAX_DEPTH:
+            raise UnsafePathError(f"directories nest deeper than {MAX_DEPTH} levels", path=rel)
+        try:
+            child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except OSError as exc:
+            raise StorageError(f"cannot open directory: {exc}", path=rel) from exc
+        try:
+            _walk_into(child, rel + "/", out, depth + 1)
+        finally:
+            os.close(child)
+
+
 class LocalOutput(OutputFile):
     """A temp file ``.<name>.tmp-<12 hex>`` beside the final name, in a directory held open by fd."""
 
@@ -354,41 +411,7 @@ class LocalStore(Store):
     def list(self) -> dict[str, int]:
         """Every non-directory entry below the root (symlinks, to directories too, and special files
         included: they are reported, never followed), relative path -> lstat size."""
-        out: dict[str, int] = {}
-        try:
-            fd = os.open(self.url, _ROOT_FLAGS)
-        except (FileNotFoundError, NotADirectoryError):
-            return out
-        except OSError as exc:
-            raise StorageError(f"cannot list {self.url}: {exc}") from exc
-        try:
-            self._list_into(fd, "", out, 0)
-        finally:
-            os.close(fd)
-        return out
-
-    def _list_into(self, dir_fd: int, prefix: str, out: dict[str, int], depth: int) -> None:
-        try:
-            entries = scan_dir(dir_fd)
-        except OSError as exc:
-            raise StorageError(f"cannot list: {exc}", path=prefix or None) from exc
-        for name, st in entries:
-            rel = prefix + name
-            if not stat.S_ISDIR(st.st_mode):
-                out[rel] = st.st_size
-                continue
-            if depth >= MAX_DEPTH:
-                raise UnsafePathError(f"directories nest deeper than {MAX_DEPTH} levels", path=rel)
-            try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            except OSError as exc:
-                raise StorageError(f"cannot open directory: {exc}", path=rel) from exc
-            try:
-                self._list_into(child, rel + "/", out, depth + 1)
-            finally:
-                os.close(child)
+        return {rel: st.st_size for rel, st in walk_lstat(self.url).items()}
 
     def delete(self, path: str) -> None:
         try:
