@@ -18,7 +18,7 @@ _CHOICES = click.Choice([*FORMATS, *ALIASES], case_sensitive=False)
 @click.command("convert")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", required=True, type=_CHOICES, help="Format to write (not pt, accelerate).")
+@click.option("--to", "to", required=True, type=_CHOICES, help="Format to write (any but pt).")
 @click.option("--from", "source_format", type=_CHOICES, help="Format of SRC (detected when omitted).")
 @click.option("--max-shard-size", metavar="SIZE", help="hf: largest shard, e.g. 5GB (default), 500MB, 2GiB.")
 @click.option("--target-file-size", metavar="SIZE", help="ckptfmt: data file target size (default 1GiB).")
@@ -49,7 +49,7 @@ def convert_cmd(
     weights_only loading), dcp (PyTorch Distributed Checkpoint; .metadata read
     with a restricted unpickler), hf-trainer (a Trainer checkpoint-N/ directory;
     training_args.bin is never unpickled), lightning (a .ckpt file, weights_only),
-    accelerate (a save_state directory, import only). Trainer formats import into
+    accelerate (a save_state directory). Trainer formats import into
     the training profile; the notes say which fields the source lacked.
     """
     with ProgressBar("convert", quiet=quiet) as bar:

@@ -9,7 +9,7 @@ format          what                                                directions
 ``dcp``         PyTorch Distributed Checkpoint directories          both
 ``hf-trainer``  Hugging Face Trainer ``checkpoint-N/`` directories  both
 ``lightning``   PyTorch Lightning ``.ckpt`` files                   both
-``accelerate``  Accelerate ``save_state`` directories               import only
+``accelerate``  Accelerate ``save_state`` directories               both
 ==============  ==================================================  ===========
 
 Every conversion goes to or from ckptfmt. Importing this package loads neither torch nor click;
@@ -27,7 +27,7 @@ from .base import ConvertResult, NoProgress, Progress, list_names, locate, parse
 
 FORMATS: tuple[str, ...] = ("ckptfmt", "hf", "pt", "dcp", "hf-trainer", "lightning", "accelerate")
 ALIASES: dict[str, str] = {"safetensors": "hf", "torch": "pt", "pth": "pt", "bin": "pt", "ckpt": "lightning"}
-WRITABLE: tuple[str, ...] = ("ckptfmt", "hf", "dcp", "hf-trainer", "lightning")
+WRITABLE: tuple[str, ...] = ("ckptfmt", "hf", "dcp", "hf-trainer", "lightning", "accelerate")
 
 
 def normalize_format(name: str) -> str:
@@ -155,6 +155,10 @@ def _convert(
         from .lightning import export_lightning
 
         return export_lightning(src, dst, **common)
+    if to == "accelerate":
+        from .accelerate import export_accelerate
+
+        return export_accelerate(src, dst, **common)
     if to == "hf":
         from .hf import DEFAULT_MAX_SHARD_SIZE, export_hf
 

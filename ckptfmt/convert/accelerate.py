@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..canonical import config_hash
 from ..errors import SourceFormatError
 from .base import ConvertResult, NoProgress, Progress, converted_from, list_names, locate
 from .hf_trainer import (
@@ -83,8 +84,14 @@ def import_accelerate(
     overwrite: bool = False,
     target_file_size: int | None = None,
     progress: Progress | None = None,
+    known: Mapping[str, Mapping[str, object]] | None = None,
+    step: int | None = None,
 ) -> ConvertResult:
-    """Import an ``Accelerator.save_state`` directory as a training-profile checkpoint."""
+    """Import an ``Accelerator.save_state`` directory as a training-profile checkpoint.
+
+    ``known`` gives fields Accelerate does not save (``data``, ``config``, ``topology``) from the
+    caller, and ``step`` the training step (:mod:`ckptfmt.integrations.accelerate` passes both).
+    """
     loc = locate(src, storage_options)
     names = sorted(n for n, kind in list_names(loc).items() if kind == "file")
     rng_files = {_index(m, 1): n for n in names if (m := _RNG.fullmatch(n))}
@@ -151,34 +158,40 @@ def import_accelerate(
             other[name] = encode(load_torch_file(loc.join(name)), other_tensors, loc.join(name).url)
         except SourceFormatError as exc:  # a registered object's arbitrary pickle: never built, reported
             skipped.append(f"{name}: {exc.message}")
-    extra["accelerate"] = {"files": other, "step": steps}
+    extra["accelerate"] = {"files": other, "step": steps, "models": len(models)}
     sources["accelerate"] = field_source(", ".join(sorted(other)) or "random_states_<rank>.pkl", "step")
     for name in names:
-        known = _MODEL, _OPTIMIZER, _SCHEDULER, _RNG, _OTHER
-        if name != "scaler.pt" and not any(p.fullmatch(name) for p in known):
+        if name != "scaler.pt" and not any(p.fullmatch(name) for p in (_MODEL, _OPTIMIZER, _SCHEDULER, _RNG, _OTHER)):
             skipped.append(f"{name}: not a file Accelerate's save_state writes")
 
     world = max(1, len(rng_files))
+    contexts: dict[str, Mapping[str, object]] = {
+        "rng": {"generators": generators},
+        "data": {"epoch": 0, "global_sample_offset": 0, "sample_offset_known": False},
+        "config": {"config": {}, "hash": config_hash({})},
+        "topology": {"world_size": world},
+    }
     missing["data"] = "no epoch or sample position (Accelerate leaves them to the training loop)"
     missing["config"] = "no config (Accelerate saves none)"
     missing["topology"] = f"world size {world} inferred from the RNG files; devices and mesh not recorded"
     sources["topology"] = field_source(", ".join(rng_files.values()) or "", "inferred")
+    for name, value in (known or {}).items():
+        contexts[name] = value
+        missing.pop(name, None)
+        sources[name] = field_source("", "given by the caller")
+    provenance = converted_from("accelerate", loc.url, fields=sources, missing=missing, skipped=skipped)
+    if step is not None:
+        provenance["step"] = step
 
     result = ConvertResult(source=loc.url, source_format="accelerate", destination=dst, destination_format="ckptfmt")
-    result.notes.append(missing_note("Accelerate", missing))
+    if missing:
+        result.notes.append(missing_note("Accelerate", missing))
     result.notes += [f"skipped {s}" for s in skipped]
     write_training(
         dst,
         weights=weights,
         optimizer=(opt_tensors, opt_context),
-        contexts={
-            "rng": {"generators": generators},
-            "data": {"epoch": 0, "global_sample_offset": 0, "sample_offset_known": False},
-            "config": {"config": {}, "hash": _empty_hash()},
-            "topology": {"world_size": world},
-            **extra,
-            "provenance": converted_from("accelerate", loc.url, fields=sources, missing=missing, skipped=skipped),
-        },
+        contexts={**contexts, **extra, "provenance": provenance},
         extra_tensors={"accelerate_tensors": other_tensors} if other_tensors else None,
         result=result,
         progress=progress or NoProgress(),
@@ -189,7 +202,111 @@ def import_accelerate(
     return result
 
 
-def _empty_hash() -> str:
-    from ..canonical import config_hash
+# ---------------------------------------------------------------- export
 
-    return config_hash({})
+
+def _accelerate_rng(generators: Mapping[str, Any], prefix: str, step: object) -> dict[str, Any]:
+    """ckptfmt generator records -> the dict Accelerate saves as random_states_<rank>.pkl."""
+    from .hf_trainer import trainer_rng_dict
+
+    trainer = trainer_rng_dict(generators, prefix)
+    names = {"python": "random_state", "numpy": "numpy_random_seed", "cpu": "torch_manual_seed"}
+    out: dict[str, Any] = {"step": step if type(step) is int else 0}
+    out |= {names[k]: v for k, v in trainer.items() if k in names}
+    if "cuda" in trainer:
+        out["torch_cuda_manual_seed"] = trainer["cuda"]
+    return out
+
+
+def export_accelerate(
+    src: str,
+    dst: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Write the directory ``Accelerator.load_state`` reads, from a training-profile checkpoint.
+
+    Each model's weights are written whole (as ``save_state`` does), so memory holds the largest model.
+    """
+    import io
+
+    import safetensors.torch
+    import torch
+
+    import ckptfmt
+
+    from .base import fs_call, refuse_existing
+    from .hf_trainer import join_optimizer, torchify
+    from .lightning import decode
+    from .torch_bridge import to_torch
+
+    out = locate(dst, storage_options)
+    result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="accelerate")
+    files: dict[str, bytes] = {}
+    with ckptfmt.open(src, storage_options) as ckpt:
+        contexts: dict[str, dict[str, Any]] = {
+            n: ckpt.read_context(n) for n, rec in ckpt.fields.items() if rec.context is not None
+        }
+        info = contexts.get("accelerate", {})
+        models = int(info.get("models", 1) or 1)
+        groups: dict[int, dict[str, Any]] = {}
+        for name, array in ckpt.read_tensors("weights").items():
+            index, key = 0, name
+            if models > 1 and (m := re.match(r"model_(\d+)\.(.+)", name)):
+                index, key = int(m.group(1)), m.group(2)
+            groups.setdefault(index, {})[key] = to_torch(array, _dtype(array)).contiguous()
+            result.tensors += 1
+            result.bytes += int(array.nbytes)
+        for index, state in sorted(groups.items()):
+            files[f"model{f'_{index}' if index else ''}.safetensors"] = safetensors.torch.save(state)
+        opt_tensors = ckpt.read_tensors("optimizer") if "optimizer" in ckpt.fields else {}
+        opt_context = contexts.get("optimizer", {})
+        states: list[Any] = []
+        if "optimizers" in opt_context:
+            for i, context in enumerate(opt_context["optimizers"]):
+                mine = {k.partition("/")[2]: v for k, v in opt_tensors.items() if k.partition("/")[0] == str(i)}
+                states.append(join_optimizer(mine, context))
+        elif opt_tensors or opt_context.get("param_groups"):
+            states.append(join_optimizer(opt_tensors, opt_context))
+        objects: dict[str, Any] = {f"optimizer{f'_{i}' if i else ''}.bin": s for i, s in enumerate(states)}
+        scheduler = contexts.get("scheduler", {})
+        schedulers = scheduler.get("states", [scheduler["state"]] if "state" in scheduler else [])
+        for i, state in enumerate(schedulers):
+            objects[f"scheduler{f'_{i}' if i else ''}.bin"] = torchify(state)
+        if "state" in contexts.get("grad_scaler", {}):
+            objects["scaler.pt"] = torchify(contexts["grad_scaler"]["state"])
+        found = contexts.get("rng", {}).get("generators")
+        generators: dict[str, Any] = dict(found) if isinstance(found, Mapping) else {}
+        steps: Mapping[str, Any] = info["step"] if isinstance(info.get("step"), Mapping) else {}
+        ranks = sorted({int(m.group(1)) for n in generators if (m := re.match(r"rank(\d+)/", n))})
+        for r in ranks or ([0] if generators else []):
+            prefix = f"rank{r}/" if ranks else ""
+            objects[f"random_states_{r}.pkl"] = _accelerate_rng(generators, prefix, steps.get(str(r)))
+        extra_tensors = {
+            k: to_torch(v, _dtype(v)).clone()
+            for k, v in (ckpt.read_tensors("accelerate_tensors") if "accelerate_tensors" in ckpt.fields else {}).items()
+        }
+        for name, value in dict(info.get("files") or {}).items():
+            objects[name] = decode(value, extra_tensors)
+    for name, obj in objects.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        files[name] = buf.getvalue()
+    refuse_existing(out, list(files), overwrite)
+    fs_call(out.url, out.fs.makedirs, out.path, exist_ok=True)
+    (progress or NoProgress()).start(sum(len(b) for b in files.values()))
+    for name, data in files.items():
+        fs_call(out.url, out.fs.pipe_file, out.join(name).path, data)
+        result.files.append(name)
+        (progress or NoProgress()).advance(len(data))
+    if not generators:
+        result.notes.append("the checkpoint holds no RNG state: load_state leaves the generators as they are")
+    return result
+
+
+def _dtype(array: Any) -> str:
+    from ..arrays import as_array
+
+    return as_array(array)[1]
