@@ -239,13 +239,15 @@ class Checkpoint:
             raise problems[0]
         self._files_checked.add(path)
 
-    def read_tensors(self, field: str, *, verify: bool = True, workers: int = 4) -> dict[str, np.ndarray[Any, Any]]:
-        """Every tensor of a field. Neighbouring small chunks share one ranged request, and ``workers``
-        requests run in parallel (object stores gain most)."""
+    def read_tensors(
+        self, field: str, *, names: Sequence[str] | None = None, verify: bool = True, workers: int = 4
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        """Every tensor of a field (or those in ``names``). Neighbouring small chunks share one ranged
+        request, and ``workers`` requests run in parallel (object stores gain most)."""
         out: dict[str, np.ndarray[Any, Any]] = {}
         reads: list[ChunkRead] = []
         copies: list[tuple[np.ndarray[Any, Any], ReadItem, np.ndarray[Any, Any]]] = []
-        for name in self.tensor_names(field):
+        for name in self.tensor_names(field) if names is None else names:
             record = self.tensor(field, name)
             try:
                 dtype = dtypes.to_numpy(record.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from .. import rng as base_rng
 from ..errors import ContextError
 
+log = logging.getLogger("ckptfmt")
 TORCH_CPU = "torch.cpu"
 TORCH_CUDA = "torch.cuda"
 
@@ -27,8 +29,44 @@ def capture(generators: Mapping[str, np.random.Generator] | None = None) -> dict
     return field
 
 
+def with_ranks(fields: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``rng`` field for a multi-rank checkpoint from every rank's own, in rank order.
+
+    ``generators`` stays rank 0's (what a single-process resume and any 1.0 reader use); ``ranks``
+    holds each rank's ``{"generators": ...}``, since every rank draws from its own generators.
+    """
+    return {**fields[0], "ranks": [{"generators": f["generators"]} for f in fields]}
+
+
+def for_this_rank(field: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The generators this process resumes with: its rank's entry of ``ranks`` when the checkpoint has one.
+
+    On a different world size the states cannot carry over exactly; rank r takes the saved rank
+    ``r mod N``'s, and a warning says so.
+    """
+    ranks = field.get("ranks")
+    if ranks is None:
+        return field
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, Mapping) and "generators" in r for r in ranks):
+        raise ContextError("'ranks' must be a non-empty array of maps with 'generators'", field="rng")
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    if world != len(ranks):
+        log.warning(
+            "resuming on %d rank(s) from a checkpoint saved on %d: random number generator states are "
+            "reused (rank r takes saved rank r mod %d), so random draws will not match the original run",
+            world,
+            len(ranks),
+            len(ranks),
+        )
+    return {**field, "generators": ranks[rank % len(ranks)]["generators"]}
+
+
 def restore(field: Mapping[str, Any], generators: Mapping[str, np.random.Generator] | None = None) -> None:
     """Put every generator back; a generator in play that the checkpoint lacks is an error."""
+    field = for_this_rank(field)
     base_rng.restore_default(field, generators)
     entries = field["generators"]
     entry = entries.get("torch")

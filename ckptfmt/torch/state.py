@@ -18,10 +18,25 @@ import torch
 
 from ..arrays import as_array
 from ..canonical import config_hash, config_to_dict
+from ..collective import Collective
+from ..context import decode, encode
 from ..convert.torch_bridge import to_torch
 from ..errors import ContextError, UsageError
 from ..reader import Checkpoint
-from ..writer import CheckpointWriter
+from ..writer import COORDINATOR, CheckpointWriter
+from . import rng
+from .sharding import (
+    LocalShard,
+    TargetShard,
+    is_dtensor,
+    local_region,
+    owners,
+    replicated_sizes,
+    shard_of,
+    to_target,
+)
+
+Stored = np.ndarray[Any, Any] | LocalShard | TargetShard  # a whole tensor, this rank's piece, a loaded region
 
 
 @dataclass(slots=True)
@@ -33,13 +48,13 @@ class Snapshot:
     forward and backward run. :meth:`materialize` copies them.
     """
 
-    tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = field(default_factory=dict)
+    tensors: dict[str, dict[str, Stored]] = field(default_factory=dict)
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     deferred: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
 
     def materialize(self, buffers: HostBuffers) -> None:
         for fname, name, tensor in self.deferred:
-            self.tensors[fname][name] = buffers.copy(f"{fname}/{name}", tensor)
+            self.tensors[fname][name] = _host(f"{fname}/{name}", tensor, buffers)
         self.deferred.clear()
 
 
@@ -50,7 +65,7 @@ class HostBuffers:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def copy(self, key: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-        t = tensor.detach()
+        t = _local(tensor.detach())
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=False)
@@ -59,10 +74,21 @@ class HostBuffers:
         return as_array(buf)[0]
 
 
-def _host(key: str, tensor: torch.Tensor, buffers: HostBuffers | None) -> np.ndarray[Any, Any]:
-    if buffers is not None:
-        return buffers.copy(key, tensor)
-    return as_array(tensor)[0]
+def _host(key: str, tensor: torch.Tensor, buffers: HostBuffers | None) -> Stored:
+    """A host copy (or a view, for CPU tensors without ``buffers``); a DTensor becomes its :class:`LocalShard`."""
+    host = buffers.copy(key, tensor) if buffers is not None else None
+    if is_dtensor(tensor):
+        return shard_of(key, tensor, host)
+    return host if host is not None else as_array(tensor)[0]
+
+
+def _to_torch(value: Stored) -> Any:
+    """A stored value as what ``load_state_dict`` takes: a tensor, or a DTensor placed like its target."""
+    if isinstance(value, TargetShard):
+        return to_target(to_torch(value.array, _dtype_name(value.array)), value.like)
+    if isinstance(value, LocalShard):
+        raise UsageError("a rank's own shard cannot be applied without its target placement")
+    return to_torch(value, _dtype_name(value))
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -92,23 +118,24 @@ def capture_model(
     With ``defer``, parameters are left for :meth:`Snapshot.materialize`; buffers (e.g. batch-norm
     statistics, which the next forward pass updates) are copied now.
     """
-    params = {p.data_ptr() for p in model.parameters()} if defer else set()
-    tensors: dict[str, np.ndarray[Any, Any]] = {}
+    params = {_local(p).data_ptr() for p in model.parameters()} if defer else set()
+    tensors: dict[str, Stored] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     for name, tensor in model.state_dict(keep_vars=False).items():
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
         ident = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
+            local.untyped_storage().data_ptr(),
+            local.storage_offset(),
             tuple(tensor.shape),
-            tensor.stride(),
+            local.stride(),
             tensor.dtype,
         )
         if tensor.numel() and ident in seen:
             aliases[name] = seen[ident]
             continue
         seen[ident] = name
-        if tensor.data_ptr() in params and tensor.numel():
+        if local.data_ptr() in params and local.numel():
             snap.deferred.append(("weights", name, tensor))
             tensors[name] = _NOT_YET
         else:
@@ -117,10 +144,15 @@ def capture_model(
     snap.contexts["weights"] = {"aliases": aliases}
 
 
+def _local(tensor: Any) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[no-any-return]
+
+
 def apply_model(model: torch.nn.Module, snap: Snapshot, strict: bool = True) -> None:
     tensors = snap.tensors["weights"]
     aliases = snap.contexts.get("weights", {}).get("aliases", {})
-    state: dict[str, torch.Tensor] = {name: to_torch(arr, _dtype_name(arr)) for name, arr in tensors.items()}
+    state: dict[str, torch.Tensor] = {name: _to_torch(value) for name, value in tensors.items()}
     for alias, target in aliases.items():
         state[alias] = state[target]
     model.load_state_dict(state, strict=strict)
@@ -134,40 +166,79 @@ def _dtype_name(array: np.ndarray[Any, Any]) -> str:
 
 
 def capture_optimizer(
-    optimizer: torch.optim.Optimizer, snap: Snapshot, buffers: HostBuffers | None = None, *, defer: bool = False
+    optimizer: torch.optim.Optimizer,
+    snap: Snapshot,
+    buffers: HostBuffers | None = None,
+    *,
+    defer: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> None:
-    """Per-parameter state tensors as ``state.<param index>.<key>``; everything else as the field's context.
+    """Per-parameter state tensors as ``<parameter name>/<key>`` (``state.<index>.<key>`` without ``model``);
+    everything else as the field's context.
 
+    Keyed by parameter name (FQN), optimizer state survives a change of parallelism: FSDP or tensor
+    parallel moments are DTensors sharded like their parameters, saved as this rank's shards.
     With ``defer``, the state tensors are left for :meth:`Snapshot.materialize`.
     """
-    state_dict = optimizer.state_dict()
-    tensors: dict[str, np.ndarray[Any, Any]] = {}
+    if model is not None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state_dict: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+        keyed = "fqn"
+    else:
+        state_dict = optimizer.state_dict()
+        keyed = "index"
+    tensors: dict[str, Stored] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, entry in state_dict["state"].items():
         for key, value in entry.items():
+            name = f"{pid}/{key}" if keyed == "fqn" else f"state.{pid}.{key}"
             if isinstance(value, torch.Tensor) and defer:
-                snap.deferred.append(("optimizer", f"state.{pid}.{key}", value))
-                tensors[f"state.{pid}.{key}"] = _NOT_YET
+                snap.deferred.append(("optimizer", name, value))
+                tensors[name] = _NOT_YET
             elif isinstance(value, torch.Tensor):
-                tensors[f"state.{pid}.{key}"] = _host(f"optimizer/{pid}/{key}", value, buffers)
+                tensors[name] = _host(f"optimizer/{name}", value, buffers)
             else:
                 scalars.setdefault(str(pid), {})[key] = _plain(value, f"optimizer state {pid}.{key}")
     snap.tensors["optimizer"] = tensors
     snap.contexts["optimizer"] = {
         "class": type(optimizer).__name__,
+        "keys": keyed,
         "param_groups": _plain(state_dict["param_groups"], "param_groups"),
         "scalars": scalars,
     }
 
 
-def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
+def optimizer_keys(snap: Snapshot) -> str:
+    """How the snapshot's optimizer tensors are named: ``fqn`` (``<param>/<key>``) or ``index`` (older saves)."""
+    keyed = snap.contexts.get("optimizer", {}).get("keys", "index")
+    if keyed not in ("fqn", "index"):
+        raise ContextError(f"unknown optimizer key scheme {keyed!r}", field="optimizer")
+    return str(keyed)
+
+
+def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: torch.nn.Module | None = None) -> None:
     context = snap.contexts["optimizer"]
     if context.get("class") != type(optimizer).__name__:
         raise UsageError(f"checkpoint holds {context.get('class')} state, the optimizer is {type(optimizer).__name__}")
+    if optimizer_keys(snap) == "fqn":
+        if model is None:
+            raise UsageError("optimizer state keyed by parameter name needs the model to restore it")
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        by_name: dict[str, dict[str, Any]] = {}
+        for name, value in snap.tensors["optimizer"].items():
+            fqn, _, key = name.rpartition("/")
+            by_name.setdefault(fqn, {})[key] = _to_torch(value)
+        for fqn, entries in context.get("scalars", {}).items():
+            by_name.setdefault(fqn, {}).update(_torchify(entries))
+        loaded: dict[str, Any] = {"state": by_name, "param_groups": _groups(context["param_groups"])}
+        set_optimizer_state_dict(model, optimizer, loaded)
+        return
     state: dict[int, dict[str, Any]] = {}
     for name, array in snap.tensors["optimizer"].items():
         _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = to_torch(array, _dtype_name(array))
+        state.setdefault(int(pid), {})[key] = _to_torch(array)
     for pid, entries in context.get("scalars", {}).items():
         # non-tensor state may hold tensors inside lists (LBFGS's history): they come back as tensors
         state.setdefault(int(pid), {}).update(_torchify(entries))
@@ -216,22 +287,76 @@ def config_field(config: object) -> dict[str, Any]:
 
 
 def write_snapshot(writer: CheckpointWriter, snap: Snapshot) -> str:
-    """Write every field of ``snap`` and commit; returns the checkpoint id."""
+    """Write every field of ``snap`` and commit; returns the checkpoint id.
+
+    With several ranks (``writer.collective``), each rank writes the shards it is the writer of and the
+    replicated tensors assigned to it (:func:`~ckptfmt.torch.sharding.owners`), and the coordinator writes
+    the context blobs; the commit is collective.
+    """
     if snap.deferred:
         raise UsageError("the snapshot has tensors not copied yet: call materialize() first")
-    for name, tensors in snap.tensors.items():
-        writer.write_tensors(name, tensors)
-    for name, context in snap.contexts.items():
-        writer.write_context(name, context)
+    try:
+        collective = writer.collective
+        assigned = owners(replicated_sizes(snap.tensors), collective.world_size) if collective is not None else {}
+        if collective is not None and "rng" in snap.contexts:
+            _gather_rng(snap, collective)
+        for name, tensors in snap.tensors.items():
+            writer.write_tensors(name, {})  # every rank declares the field, even with nothing to write
+            for tname, value in tensors.items():
+                if isinstance(value, LocalShard):
+                    if value.writer:
+                        writer.write_tensor(
+                            name, tname, value.array, global_shape=value.global_shape, offsets=value.offsets
+                        )
+                elif isinstance(value, TargetShard):
+                    raise UsageError("a snapshot read for loading cannot be written back", field=name, tensor=tname)
+                elif collective is None or assigned[f"{name}/{tname}"] == collective.rank:
+                    writer.write_tensor(name, tname, value)
+        if writer.is_coordinator:
+            for name, context in snap.contexts.items():
+                writer.write_context(name, context)
+    except BaseException:
+        writer.abort()
+        raise
     return writer.commit()
 
 
-def read_snapshot(ckpt: Checkpoint) -> Snapshot:
-    """Every field, every byte read and digest-checked, before anything is applied anywhere."""
+def _gather_rng(snap: Snapshot, collective: Collective) -> None:
+    """Each rank's own generators into the coordinator's ``rng`` field (:func:`ckptfmt.torch.rng.with_ranks`)."""
+    gathered = collective.gather(encode(snap.contexts["rng"], where="field 'rng'"), dst=COORDINATOR)
+    if gathered is not None:
+        snap.contexts["rng"] = rng.with_ranks([decode(g, field="rng") for g in gathered])
+
+
+def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) -> Snapshot:
+    """Every field, every byte read and digest-checked, before anything is applied anywhere.
+
+    ``targets`` maps a parameter's name to the live DTensor it will be loaded into (:func:`load_targets`):
+    for it, and for optimizer state shaped like it (``<name>/exp_avg``...), only the region this rank
+    holds is read, from the chunks that overlap it, whatever the saving topology.
+    """
     snap = Snapshot()
+    targets = targets or {}
     for name, record in ckpt.fields.items():
         if record.kind == "tensors":
-            snap.tensors[name] = ckpt.read_tensors(name)
+            placed: dict[str, Any] = {}
+            for tname, tensor in record.tensors.items():
+                owner = tname if name == "weights" else tname.rpartition("/")[0] if name == "optimizer" else ""
+                like = targets.get(owner)
+                if like is not None and tuple(tensor.shape) == tuple(int(d) for d in like.shape):
+                    placed[tname] = like
+            tensors: dict[str, Stored] = dict(
+                ckpt.read_tensors(name, names=[t for t in record.tensors if t not in placed])
+            )
+            for tname, like in placed.items():
+                offsets, shape = local_region(like)
+                tensors[tname] = TargetShard(ckpt.read_slice(name, tname, offsets, shape), like)
+            snap.tensors[name] = tensors
         if record.context is not None:
             snap.contexts[name] = ckpt.read_context(name)
     return snap
+
+
+def load_targets(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's DTensors by name: where a load must place what it reads on this rank."""
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if is_dtensor(t)}

@@ -1,0 +1,95 @@
+"""The :class:`~ckptfmt.collective.Collective` of a ``torch.distributed`` process group.
+
+Bytes travel as uint8 tensors (lengths first), never as pickled objects: ``broadcast_object_list``
+and friends unpickle what other ranks send, which ckptfmt never does. The exchange runs on a CPU
+(gloo) group: the messages are small, and NCCL groups need device tensors and a device per rank.
+A rank that dies or does not answer fails the collective on the others after the group's timeout.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveError
+
+_CPU_GROUPS: dict[tuple[int, float | None], Any] = {}
+
+
+def _cpu_group(group: Any, timeout: timedelta | None) -> Any:
+    """A gloo group over the same ranks as ``group`` (itself when it is gloo and no timeout is asked)."""
+    if dist.get_backend(group) == "gloo" and timeout is None:
+        return group
+    key = (id(group), timeout.total_seconds() if timeout is not None else None)
+    if key not in _CPU_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    return _CPU_GROUPS[key]
+
+
+class TorchCollective:
+    """Every rank of ``process_group`` (the default group if None) constructs one, together."""
+
+    def __init__(self, process_group: Any = None, *, timeout: timedelta | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CollectiveError("torch.distributed is not initialized")
+        self._user_group = process_group
+        self._group = _cpu_group(process_group, timeout)
+        self._rank = dist.get_rank(process_group)
+        self._world_size = dist.get_world_size(process_group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self._user_group is None else dist.get_global_rank(self._user_group, group_rank)
+
+    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
+        try:
+            length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+            dist.broadcast(length, self._global(src), group=self._group)
+            payload = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if data is not None and self._rank == src and len(data)
+                else torch.empty(int(length.item()), dtype=torch.uint8)
+            )
+            if payload.numel():
+                dist.broadcast(payload, self._global(src), group=self._group)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"rank {self._rank}: broadcast from rank {src} failed: {exc}") from exc
+        return payload.numpy().tobytes()
+
+    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        try:
+            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
+            dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=self._group)
+            sizes = [int(t.item()) for t in lengths]
+            longest = max(sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            if data:
+                mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
+            if longest:
+                dist.all_gather(slots, mine, group=self._group)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"rank {self._rank}: gather to rank {dst} failed: {exc}") from exc
+        if self._rank != dst:
+            return None
+        return [slot[:size].numpy().tobytes() for slot, size in zip(slots, sizes, strict=True)]
+
+
+def default_collective(process_group: Any = None, *, timeout: timedelta | None = None) -> TorchCollective | None:
+    """The collective of ``process_group`` when torch.distributed runs with more than one rank, else None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size(process_group) <= 1:
+        return None
+    return TorchCollective(process_group, timeout=timeout)
