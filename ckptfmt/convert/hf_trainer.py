@@ -40,7 +40,8 @@ import numpy as np
 
 from .. import rng as base_rng
 from ..canonical import config_hash
-from ..errors import CheckpointError, SourceFormatError, UsageError
+from ..errors import CheckpointError, ContextError, SourceFormatError, UsageError
+from ..fields import check_rng
 from ..jsonio import load_json
 from . import hf, torch_pt
 from .base import (
@@ -217,6 +218,10 @@ def rng_generators(state: object, url: str, prefix: str = "") -> dict[str, objec
         elif is_tensor(value):
             out[prefix + str(key)] = {"kind": f"torch.{key}", "state": _bytes_state(value, where)}
         # other keys (Accelerate's "step", sampler seeds) are not generators: the caller keeps them
+    try:
+        check_rng({"generators": out})  # the rules a reader applies (RNG-1..5), failing here naming the file
+    except ContextError as exc:
+        raise SourceFormatError(exc.message, path=url) from exc
     return out
 
 
