@@ -28,6 +28,7 @@ from cli_helpers import run_cli
 from run_helpers import dead_pid, lock_of, write_step
 
 import ckptfmt
+from ckptfmt.convert.hf import import_hf
 from ckptfmt.errors import CheckpointError, SizeMismatchError, UnsafePathError
 from ckptfmt.lock import read_lock
 from ckptfmt.run import RunDirectory, checkpoint_name, writer_made
@@ -525,3 +526,165 @@ def test_sparse_run_directory_files_are_refused_unread(run: Path) -> None:
     assert read_lock(LocalStore(crashed)) is None
     assert next(e for e in rd.entries() if e.name == checkpoint_name(9)).status == "writing"
     assert_clean_failure(run_cli("inspect", str(crashed), "--json"))
+
+
+# ---------------------------------------------------------------- 3. converter sources: nothing read outside
+
+
+def hf_export(src: Path, dst: Path, *extra: str) -> None:
+    result = run_cli("convert", str(src), str(dst), "--to", "hf", *extra)
+    assert result.exit_code == 0, result.stderr
+
+
+@pytest.fixture
+def hf_outside(outside: Sentinel) -> Path:
+    """A Hugging Face directory outside the source, whose one tensor holds MARKER."""
+    target = outside.top / "hf"
+    hf_export(outside.ckpt, target)
+    outside.before = snapshot(outside.top)
+    return target
+
+
+def sharded_source(tmp_path: Path) -> Path:
+    src_ckpt = tmp_path / "src-ckpt"
+    with ckptfmt.open_writer(src_ckpt, profile="weights") as w:
+        w.write_tensors("weights", {f"t{i}": np.full(8, i, np.float32) for i in range(3)})
+    src = tmp_path / "src"
+    hf_export(src_ckpt, src, "--max-shard-size", "40")
+    assert (src / "model.safetensors.index.json").exists()
+    return src
+
+
+def convert_must_fail(src: Path, dst: Path, *, match: str) -> None:
+    result = no_hang(lambda: run_cli("convert", str(src), str(dst), "--to", "ckptfmt"))
+    assert_clean_failure(result)
+    assert match in result.stderr, result.stderr
+    assert not (dst / "manifest.json").exists()
+
+
+def test_hf_weight_map_through_a_symlinked_directory_is_refused(
+    tmp_path: Path, outside: Sentinel, hf_outside: Path
+) -> None:
+    """The reported hole: `weight_map` names sub/<shard>, where sub is a symlink to a directory elsewhere."""
+    src = sharded_source(tmp_path)
+    (src / "sub").symlink_to(hf_outside)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["outside"] = "sub/model.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsafePathError, match="'sub' is a symlink"):
+        no_hang(lambda: import_hf(str(src), str(tmp_path / "dst")))
+    convert_must_fail(src, tmp_path / "dst2", match="symlink")
+
+
+def test_hf_symlinked_shard_file_is_refused(tmp_path: Path, outside: Sentinel, hf_outside: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").symlink_to(hf_outside / "model.safetensors")
+    convert_must_fail(src, tmp_path / "dst", match="symlink")
+
+
+@pytest.mark.parametrize("kind", SPECIALS)
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "model-00001-of-00003.safetensors"])
+def test_hf_special_files_are_refused(tmp_path: Path, kind: str, name: str) -> None:
+    src = sharded_source(tmp_path)
+    (src / name).unlink()
+    make_special(src / name, kind)
+    convert_must_fail(src, tmp_path / "dst", match="symlink" if kind == "devzero_link" else "not a regular file")
+
+
+def test_a_fifo_named_as_the_source_itself_is_refused(tmp_path: Path) -> None:
+    for name in ("model.safetensors", "model.pt", "model.safetensors.index.json"):
+        make_special(tmp_path / name, "fifo")
+        convert_must_fail(tmp_path / name, tmp_path / f"dst-{name}", match="FIFO")
+
+
+def test_hf_sparse_index_and_header_are_refused_unread(tmp_path: Path) -> None:
+    src = sharded_source(tmp_path)
+    sparse(src / "model.safetensors.index.json", 8 * GiB, b"{")
+    convert_must_fail(src, tmp_path / "dst", match="bytes")
+    single = tmp_path / "single"
+    single.mkdir()
+    sparse(single / "model.safetensors", 8 * GiB, (1 << 40).to_bytes(8, "little"))  # claims a 1 TiB header
+    convert_must_fail(single, tmp_path / "dst2", match="header")
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        b'{"weight_map": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"weight_map": {"t0": "model-00001-of-00003.safetensors"}, "metadata": {"total_size": ' + b"9" * 400 + b"}}",
+        b'{"weight_map": {"t0": "model-00001-of-00003.safetensors"}, "metadata": {"total_size": NaN}}',
+        b'{"weight_map": {"t0": "a.safetensors", "t0": "b.safetensors"}}',
+        b'{"weight_map": ["model-00001-of-00003.safetensors"]}',
+        b'{"weight_map": {"t0": 5}}',
+        b'{"weight_map": {"t0": "model-00001-of-00003.safetensors"}, "metadata": ["x"]}',
+        b"[]",
+        b"\xff",
+    ],
+)
+def test_hf_hostile_index_json(tmp_path: Path, index: bytes) -> None:
+    src = sharded_source(tmp_path)
+    (src / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(CheckpointError):
+        import_hf(str(src), str(tmp_path / "dst"))
+    convert_must_fail(src, tmp_path / "dst2", match="index")
+
+
+@pytest.mark.parametrize("metadata", ['["a"]', '{"a": 1}', '{"a": {"b": "c"}}', "5"])
+def test_hf_header_metadata_of_the_wrong_type(tmp_path: Path, metadata: str) -> None:
+    header = f'{{"__metadata__": {metadata}, "t": {{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}}}'
+    raw = header.encode()
+    raw += b" " * (-len(raw) % 8)
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 8)
+    with pytest.raises(CheckpointError):
+        import_hf(str(src), str(tmp_path / "dst"))
+    convert_must_fail(src, tmp_path / "dst2", match="metadata")
+
+
+def test_pt_symlink_and_special_files_are_refused(tmp_path: Path, outside: Sentinel) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save({"outside": torch.frombuffer(bytearray(MARKER), dtype=torch.uint8)}, outside.top / "model.pt")
+    outside.before = snapshot(outside.top)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.pt").symlink_to(outside.top / "model.pt")
+    convert_must_fail(src, tmp_path / "dst", match="symlink")
+    (src / "model.pt").unlink()
+    make_special(src / "model.pt", "fifo")
+    convert_must_fail(src, tmp_path / "dst2", match="FIFO")
+
+
+def test_dcp_symlinked_files_are_refused(tmp_path: Path, outside: Sentinel) -> None:
+    pytest.importorskip("torch")
+    dcp_outside = outside.top / "dcp"
+    assert run_cli("convert", str(outside.ckpt), str(dcp_outside), "--to", "dcp").exit_code == 0
+    outside.before = snapshot(outside.top)
+    src = tmp_path / "dcp"
+    small_checkpoint(tmp_path / "small")
+    assert run_cli("convert", str(tmp_path / "small"), str(src), "--to", "dcp").exit_code == 0
+    for name in sorted(os.listdir(src)):
+        original = (src / name).read_bytes()
+        (src / name).unlink()
+        (src / name).symlink_to(dcp_outside / name if (dcp_outside / name).exists() else outside.top / "secret.txt")
+        convert_must_fail(src, tmp_path / f"dst-{name}", match="symlink")
+        (src / name).unlink()
+        make_special(src / name, "fifo")
+        convert_must_fail(src, tmp_path / f"dst-fifo-{name}", match="FIFO")
+        (src / name).unlink()
+        (src / name).write_bytes(original)
+    assert run_cli("convert", str(src), str(tmp_path / "ok"), "--to", "ckptfmt").exit_code == 0
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_exports_refuse_a_destination_holding_symlinks(tmp_path: Path, outside: Sentinel, to: str) -> None:
+    if to == "dcp":
+        pytest.importorskip("torch")
+    small_checkpoint(tmp_path / "src")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / ("model.safetensors" if to == "hf" else "__0_0.distcp")).symlink_to(outside.top / "secret.txt")
+    for extra in ((), ("--overwrite",)):
+        result = run_cli("convert", str(tmp_path / "src"), str(dst), "--to", to, *extra)
+        assert_clean_failure(result)
+        assert "symlink" in result.stderr

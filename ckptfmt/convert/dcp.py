@@ -20,16 +20,28 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceFormatError, UsageError
-from .base import ConvertResult, Location, NoProgress, Progress, converted_from, fs_call, locate, read_range
-from .dcp_metadata import METADATA_NAME, DcpMetadata, StoredItem, parse_metadata
+from .base import (
+    ConvertResult,
+    Location,
+    NoProgress,
+    Progress,
+    converted_from,
+    exists,
+    fs_call,
+    locate,
+    read_file,
+    read_range,
+    refuse_links,
+)
+from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, DcpMetadata, StoredItem, parse_metadata
 from .torch_bridge import context_value, is_tensor, to_torch
 
 
 def read_metadata(loc: Location) -> DcpMetadata:
     meta = loc.join(METADATA_NAME)
-    if not fs_call(meta.url, loc.fs.exists, meta.path):
+    if not exists(meta):
         raise SourceFormatError("no .metadata: not a DCP checkpoint (or an unfinished one)", path=loc.url)
-    return parse_metadata(fs_call(meta.url, loc.fs.cat_file, meta.path))
+    return parse_metadata(read_file(meta, MAX_METADATA_BYTES))
 
 
 def load_item(loc: Location, item: StoredItem, fqn: str) -> Any:
@@ -125,7 +137,8 @@ def export_dcp(
 
     progress = progress or NoProgress()
     out = locate(dst, storage_options)
-    if not overwrite and fs_call(out.url, out.fs.exists, out.join(METADATA_NAME).path):
+    refuse_links(out)  # torch's writer would write through them
+    if not overwrite and exists(out.join(METADATA_NAME)):
         raise ckptfmt.CheckpointExistsError("a DCP checkpoint is already here; pass --overwrite", path=out.url)
     result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="dcp")
     with ckptfmt.open(src, storage_options) as ckpt:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, CheckpointExistsError, SourceFormatError
+from ..jsonio import load_json
 from ..safetensors_io import HeaderEntry, header_length, parse_header
 from .base import (
     ConvertResult,
@@ -27,10 +28,13 @@ from .base import (
     NoProgress,
     Progress,
     converted_from,
+    file_size,
     fs_call,
     list_names,
     locate,
+    read_file,
     read_range,
+    refuse_links,
 )
 
 SINGLE = "model.safetensors"
@@ -43,15 +47,20 @@ MAX_INDEX_BYTES = 10 << 20  # huggingface_hub refuses larger indexes too
 
 
 def read_header(loc: Location) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
-    """A shard's tensor entries (absolute byte ranges) and its ``__metadata__``."""
-    size = int(fs_call(loc.url, loc.fs.size, loc.path))
+    """A shard's tensor entries (absolute byte ranges) and its ``__metadata__`` (strings to strings)."""
+    size = file_size(loc)
     try:
         length = header_length(read_range(loc, 0, min(8, size)), size, loc.url)
         raw = read_range(loc, 8, length)
         entries = parse_header(raw, size, loc.url)
-        meta = json.loads(raw).get("__metadata__") or {}
+        doc = load_json(raw, error=SourceFormatError, what="safetensors header", path=loc.url, allow_float=True)
     except CheckpointError as exc:
         raise SourceFormatError(exc.message, path=loc.url) from exc
+    meta = doc.get("__metadata__") if isinstance(doc, dict) else None
+    if meta is None:
+        return entries, {}
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise SourceFormatError("__metadata__ must map strings to strings", path=loc.url)
     return entries, meta
 
 
@@ -66,26 +75,25 @@ def _check_shard_name(name: object, index_url: str) -> str:
 
 def read_index(loc: Location) -> tuple[dict[str, str], dict[str, object]]:
     """(tensor -> shard file, the index's metadata), validated as huggingface_hub validates it."""
-    if int(fs_call(loc.url, loc.fs.size, loc.path)) > MAX_INDEX_BYTES:
-        raise SourceFormatError(f"index larger than {MAX_INDEX_BYTES} bytes", path=loc.url)
-    try:
-        doc = json.loads(fs_call(loc.url, loc.fs.cat_file, loc.path))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceFormatError(f"index is not valid JSON: {exc}", path=loc.url) from exc
+    data = read_file(loc, MAX_INDEX_BYTES)
+    doc = load_json(data, error=SourceFormatError, what="index", path=loc.url, allow_float=True)
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise SourceFormatError("index must be a JSON object with a 'weight_map' object", path=loc.url)
     weight_map = {str(k): _check_shard_name(v, loc.url) for k, v in doc["weight_map"].items()}
     metadata = doc.get("metadata")
-    return weight_map, dict(metadata) if isinstance(metadata, dict) else {}
+    if metadata is not None and not isinstance(metadata, dict):
+        raise SourceFormatError("index 'metadata' must be a JSON object", path=loc.url)
+    return weight_map, dict(metadata or {})
 
 
 def find_layout(loc: Location) -> tuple[Location, Location | None]:
     """(directory, index) or (single shard, None): from the directory, its index file, or a .safetensors file."""
     names = list_names(loc)
     if not names:
-        parent = Location(loc.fs, loc.path.rstrip("/").rpartition("/")[0], loc.url.rstrip("/").rpartition("/")[0])
         if loc.path.endswith(".index.json"):
-            return parent, loc
+            # the index the user named; its shards are its siblings, the parent directory the source root
+            parent = loc.parent()
+            return parent, parent.join(loc.path.rstrip("/").rpartition("/")[2])
         if loc.path.endswith(".safetensors"):
             return loc, None
         raise SourceFormatError("not a .safetensors file, an index, or a directory holding them", path=loc.url)
@@ -94,7 +102,8 @@ def find_layout(loc: Location) -> tuple[Location, Location | None]:
         return loc, loc.join(INDEX if INDEX in indexes else indexes[0])
     if indexes:
         raise SourceFormatError(f"several indexes, pass one of them: {', '.join(indexes)}", path=loc.url)
-    files = sorted(n for n, kind in names.items() if kind == "file" and n.endswith(".safetensors"))
+    # symlinks and special files included: opening one is refused with a message naming it
+    files = sorted(n for n, kind in names.items() if kind != "directory" and n.endswith(".safetensors"))
     if len(files) != 1:
         raise SourceFormatError(f"expected one .safetensors file or an index, found {len(files)}", path=loc.url)
     return loc.join(files[0]), None
@@ -232,6 +241,7 @@ def export_hf(
             if len(shards) <= 1
             else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
         )
+        refuse_links(out)
         _clear(out, overwrite)
         fs_call(out.url, out.fs.makedirs, out.path, exist_ok=True)
         progress.start(sum(sizes.values()))

@@ -10,6 +10,7 @@ Other non-tensor values (``epoch``, ``step``...) become the ``weights`` field's 
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 import zipfile
@@ -17,7 +18,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, SourceFormatError
-from .base import ConvertResult, Location, NoProgress, Progress, converted_from, fs_call, list_names, locate
+from .base import (
+    ConvertResult,
+    Location,
+    NoProgress,
+    Progress,
+    converted_from,
+    exists,
+    fs_call,
+    list_names,
+    locate,
+    open_local,
+)
 from .torch_bridge import Split, find_optimizers, pop_path, split_tree
 
 SUFFIXES = (".pt", ".bin", ".pth")
@@ -27,10 +39,11 @@ def find_file(loc: Location) -> Location:
     """The state-dict file: ``loc`` itself, or the single .pt/.bin/.pth file of a directory."""
     names = list_names(loc)
     if not names:
-        if not fs_call(loc.url, loc.fs.exists, loc.path):
+        if not exists(loc):
             raise CheckpointNotFoundError("no such file or directory", path=loc.url)
         return loc
-    found = sorted(n for n, kind in names.items() if kind == "file" and n.endswith(SUFFIXES))
+    # symlinks and special files included: opening one is refused with a message naming it
+    found = sorted(n for n, kind in names.items() if kind != "directory" and n.endswith(SUFFIXES))
     if len(found) != 1:
         raise SourceFormatError(
             f"expected one .pt/.bin/.pth file in the directory, found {len(found)}: {', '.join(found)}", path=loc.url
@@ -49,12 +62,8 @@ def _load(loc: Location) -> Any:
     import torch
 
     try:
-        if loc.is_local:
-            try:
-                return torch.load(loc.path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc):
-                    raise
+        if loc.root is not None:
+            return _load_local(loc)
         with fs_call(loc.url, loc.fs.open, loc.path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -64,6 +73,26 @@ def _load(loc: Location) -> Any:
         ) from exc
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise SourceFormatError(f"not a readable PyTorch file: {exc}", path=loc.url) from exc
+
+
+def _load_local(loc: Location) -> Any:
+    """Load the regular file opened safely (no symlink below the source root), memory-mapped when torch can:
+    torch maps by name, so it is given the opened file's own name in /proc/self/fd, not the path again."""
+    import torch
+
+    fd = open_local(loc)
+    try:
+        by_fd = f"/proc/self/fd/{fd}"
+        if os.path.exists(by_fd):
+            try:
+                return torch.load(by_fd, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    finally:
+        os.close(fd)
 
 
 def split_state(obj: object, url: str) -> tuple[Split, Split | None, list[str]]:

@@ -178,6 +178,16 @@ def open_below(root: str | os.PathLike[str], path: str = "") -> int:
         return _open_regular(dir_fd, name, path)
 
 
+def open_dir_below(root: str | os.PathLike[str], path: str = "") -> int:
+    """A directory fd of ``path`` below ``root`` (``root`` itself when empty), following no symlink below
+    ``root``; MissingFileError, UnsafePathError (a symlink or non-directory on the way) or StorageError."""
+    top = os.path.abspath(os.fspath(root))
+    if not path:
+        return _open_root(top, top)
+    with parent_dir(top, path) as (dir_fd, name):
+        return _open_dir(dir_fd, name, path)
+
+
 def read_fd(fd: int, path: str, max_size: int) -> bytes:
     """The whole of an open file, refused (before reading anything) when larger than ``max_size``."""
     size = os.fstat(fd).st_size
