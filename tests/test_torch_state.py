@@ -3,9 +3,12 @@ good checkpoint, async failures surface, one save at a time."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import logging
 import os
+import random
 import subprocess
 import threading
 import time
@@ -22,7 +25,17 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch import nn
 
 import ckptfmt
-from ckptfmt.errors import CheckpointError, ContextError, ResumeMismatchError, StorageError
+import ckptfmt.canonical
+import ckptfmt.context
+import ckptfmt.digests
+from ckptfmt.errors import (
+    CheckpointError,
+    ContextError,
+    FieldNotFoundError,
+    ResumeMismatchError,
+    StorageError,
+    UsageError,
+)
 from ckptfmt.run import RunDirectory, checkpoint_name
 from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableSampler, api
 
@@ -585,3 +598,124 @@ def test_restore_latest_does_not_fall_back_when_the_run_differs(tmp_path: Path) 
         CheckpointManager(run, on_mismatch="strict").restore_latest(model=model, optimizer=opt, config={"k": 2})
     with pytest.raises(ContextError, match="sampler seed is 9 here but 0"):
         CheckpointManager(run).restore_latest(model=model, optimizer=opt, sampler=ResumableSampler(32, seed=9))
+
+
+# ---------------------------------------------------------------- never half-loaded; restore_latest falls back
+
+
+def test_restore_latest_skips_a_weights_profile_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    states = _manager_run(run, (2, 4))
+    model, _, _ = tiny_state()
+    with ckptfmt.open_writer(str(run / checkpoint_name(6)), profile="weights") as w:  # e.g. an exported model
+        w.write_tensors("weights", {k: v.detach().numpy() for k, v in model.state_dict().items()})
+        w.write_context("provenance", {"step": 6})
+    model, opt, sampler = tiny_state(seed=9)
+    sampler = ResumableSampler(32, seed=0)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        assert CheckpointManager(run).restore_latest(model=model, optimizer=opt, sampler=sampler) == 4
+    assert_same(model.state_dict(), states[4])
+    (record,) = [r for r in caplog.records if checkpoint_name(6) in r.getMessage()]
+    assert "no optimizer, data, rng field (profile 'weights')" in record.getMessage()
+    # loaded on its own, a weights checkpoint restores the model; asked for more, it names what is missing
+    api.load(run / checkpoint_name(6), model=model)
+    with pytest.raises(FieldNotFoundError, match="no optimizer, rng field"):
+        api.load(run / checkpoint_name(6), model=model, optimizer=opt)
+
+
+def test_restore_latest_falls_back_from_a_checkpoint_that_fails_when_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever reading the newest raises (here an OverflowError from a tensor, as a hostile shape could),
+    restore_latest logs it and resumes from the one before; the model is touched only by that one."""
+    run = tmp_path / "run"
+    states = _manager_run(run, (2, 4, 6))
+    real = ckptfmt.reader.Checkpoint.read_tensors
+
+    def read_tensors(self: Any, field: str, *args: Any, **kwargs: Any) -> Any:
+        if self.url.rstrip("/").endswith(checkpoint_name(6)) and field == "optimizer":
+            raise OverflowError("cannot fit 'int' into an index-sized integer")
+        return real(self, field, *args, **kwargs)
+
+    monkeypatch.setattr(ckptfmt.reader.Checkpoint, "read_tensors", read_tensors)
+    model, opt, _ = tiny_state(seed=9)
+    sampler = ResumableSampler(32, seed=0)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        assert CheckpointManager(run).restore_latest(model=model, optimizer=opt, sampler=sampler) == 4
+    assert_same(model.state_dict(), states[4])
+    (record,) = [r for r in caplog.records if checkpoint_name(6) in r.getMessage()]
+    assert "cannot be read: OverflowError" in record.getMessage()
+
+
+def test_restore_latest_falls_back_from_a_context_failing_its_schema(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    states = _manager_run(run, (2, 4))
+    model, opt, sampler = tiny_state()
+    sampler.advance(2)
+    api.save(run / checkpoint_name(6), step=6, model=model, optimizer=opt, sampler=sampler, config={"k": 1})
+    # rewrite the data blob with an epoch of -1 (FLD-5): the checkpoint opens, and fails only when the
+    # field is decoded
+    blob = run / checkpoint_name(6) / "data" / "context.msgpack"
+    body = ckptfmt.context.decode(blob.read_bytes())
+    body["epoch"] = -1
+    raw = ckptfmt.context.encode(body)
+    blob.write_bytes(raw)
+    ckpt_dir = run / checkpoint_name(6)
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    (entry,) = [f for f in manifest["files"] if f["path"] == "data/context.msgpack"]
+    entry["size"], entry["digest"] = len(raw), ckptfmt.digests.digest_of("xxh3-128", raw)
+    (ckpt_dir / "manifest.json").write_bytes(ckptfmt.canonical.canonical_json(manifest))
+    with pytest.raises(ContextError, match="epoch"):
+        ckptfmt.open(str(ckpt_dir)).read_context("data")
+    model, opt, _ = tiny_state(seed=9)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        step = CheckpointManager(run).restore_latest(model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0))
+    assert step == 4
+    assert_same(model.state_dict(), states[4])
+    assert any(checkpoint_name(6) in r.getMessage() and "epoch" in r.getMessage() for r in caplog.records)
+
+
+def _live_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "scheduler": copy.deepcopy(sched.state_dict()),
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state()[1].tobytes(),
+    }
+
+
+def test_a_failed_apply_leaves_every_live_object_as_it_was(tmp_path: Path) -> None:
+    """Refused before anything is applied (another optimizer class), or failing late (a generator of
+    another kind, after the optimizer, scheduler and global RNGs were applied): all put back."""
+    model, opt, sampler = tiny_state()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 3)
+    sched.step()
+    sampler.advance(2)
+    url = tmp_path / "c"
+    api.save(url, step=3, model=model, optimizer=opt, sampler=sampler, scheduler=sched, config={},
+             generators={"aug": np.random.default_rng(1)})  # fmt: skip
+
+    model, opt, _ = tiny_state(seed=5)
+    sampler = ResumableSampler(32, seed=0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    random.seed(11)
+    np.random.seed(12)
+    before = _live_state(model, opt, sched)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="holds AdamW state, the optimizer is SGD"):
+        api.load(url, model=model, optimizer=sgd, sampler=sampler)
+    assert_same(_live_state(model, opt, sched), before)
+    other_kind = {"aug": np.random.Generator(np.random.MT19937(0))}
+    with pytest.raises(ContextError, match="aug"):
+        api.load(url, model=model, optimizer=opt, sampler=sampler, scheduler=sched, generators=other_kind)
+    assert_same(_live_state(model, opt, sched), before)
+    assert sampler.consumed == 0  # the data position is applied after the RNG: untouched too
+    api.load(url, model=model, optimizer=opt, sampler=sampler, scheduler=sched,
+             generators={"aug": np.random.default_rng(0)})  # fmt: skip
+    assert sampler.consumed == 2
