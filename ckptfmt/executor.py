@@ -188,8 +188,10 @@ def coalesce(reads: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
     return runs
 
 
-def fetch_run(store: Store, run: Sequence[ChunkRead], *, verify: bool) -> None:
-    """Fetch one coalesced run (all in one file, back to back) and check each chunk's digest."""
+def fetch_run(store: Store, run: Sequence[ChunkRead], *, verify: bool) -> int:
+    """Fetch one coalesced run (all in one file, back to back) and check each chunk's digest.
+
+    Returns the number of bytes fetched."""
     first = run[0].chunk
     # A lone chunk goes straight into its destination; a run shares one bounded staging buffer.
     view = run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].chunk.end - first.begin))
@@ -208,6 +210,7 @@ def fetch_run(store: Store, run: Sequence[ChunkRead], *, verify: bool) -> None:
             raise
         if len(run) > 1:
             read.out[:] = part
+    return len(view)
 
 
 __all__ = ["SLICE_BYTES", "ChunkRead", "WriteExecutor", "check_chunk", "coalesce", "fetch_run", "stream_file"]

@@ -66,6 +66,7 @@ class Checkpoint:
         self._file_records = {f.path: f for f in manifest.files}
         self._files_checked: set[str] = set()
         self._chunks_by_file: dict[str, list[tuple[str, str, ChunkRecord]]] | None = None
+        self.bytes_read = 0  # tensor bytes fetched so far (headers and context blobs not counted)
 
     @property
     def url(self) -> str:
@@ -178,11 +179,11 @@ class Checkpoint:
         runs = [run for path in sorted(by_file) for run in coalesce(by_file[path])]
         if workers <= 1 or len(runs) <= 1:
             for run in runs:
-                fetch_run(self.store, run, verify=verify)
+                self.bytes_read += fetch_run(self.store, run, verify=verify)
             return
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-read") as pool:
             for future in [pool.submit(fetch_run, self.store, run, verify=verify) for run in runs]:
-                future.result()
+                self.bytes_read += future.result()
 
     def chunks_in(self, path: str) -> list[tuple[str, str, ChunkRecord]]:
         """(field, tensor, chunk) of every chunk the manifest places in data file ``path``."""
