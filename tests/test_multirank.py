@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import ckptfmt
 from ckptfmt import CollectiveError, ThreadCollective
@@ -132,3 +135,38 @@ def test_a_lock_held_elsewhere_refuses_every_rank(tmp_path: Path) -> None:
         assert all(isinstance(r, CheckpointLockedError) for r in results)
     finally:
         holder.abort()
+
+
+def _peak_rss_mib(args: list[str]) -> float:
+    """Peak resident memory of one ``ckpt`` subprocess (its own, measured by the kernel: ru_maxrss)."""
+    code = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    ckpt = str(Path(sys.executable).with_name("ckpt"))
+    out = subprocess.run([sys.executable, "-c", code, ckpt, *args], check=True, capture_output=True, text=True)
+    return int(out.stdout.strip()) / 1024
+
+
+def test_export_of_a_four_rank_checkpoint_streams_tensor_by_tensor(tmp_path: Path) -> None:
+    """Consolidation for export never holds the model: peak memory grows with the largest tensor, not the total."""
+    rows, cols, count = 1024, 2048, 12  # 12 tensors of 8 MiB, each sharded over 4 ranks: 96 MiB in all
+    rng = np.random.default_rng(0)
+    tensors = {f"layer{i}.w": rng.standard_normal((rows, cols), dtype=np.float32) for i in range(count)}
+    src = tmp_path / "src"
+
+    def body(rank: int, collective: ThreadCollective) -> str:
+        with ckptfmt.open_writer(src, profile="weights", collective=collective) as w:
+            lo, hi = rank * rows // 4, (rank + 1) * rows // 4
+            for name, full in tensors.items():
+                w.write_tensor("weights", name, full[lo:hi], global_shape=full.shape, offsets=(lo, 0))
+        return "ok"
+
+    assert run_ranks(4, body) == ["ok"] * 4
+    baseline = _peak_rss_mib(["inspect", str(src)])
+    export = _peak_rss_mib(["convert", str(src), str(tmp_path / "hf"), "--to", "hf"])
+    total_mib = count * rows * cols * 4 / 2**20
+    print(f"[export RSS] baseline {baseline:.0f} MiB, export {export:.0f} MiB, checkpoint {total_mib:.0f} MiB")
+    assert export - baseline < 3 * 8 + 16  # a tensor, its chunk buffers and the write slice; not 96 MiB
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(np.array_equal(exported[n], t) for n, t in tensors.items())
