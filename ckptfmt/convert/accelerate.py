@@ -32,6 +32,7 @@ from ..canonical import config_hash
 from ..errors import SourceFormatError
 from .base import ConvertResult, NoProgress, Progress, converted_from, list_names, locate
 from .hf_trainer import (
+    LazySafetensors,
     field_source,
     load_torch_file,
     missing_note,
@@ -53,27 +54,19 @@ def _index(match: re.Match[str], group: int) -> int:
     return int(match.group(group) or 0)
 
 
-def _model(loc: Any, name: str) -> dict[str, Any]:
+def _model(loc: Any, name: str, prefix: str) -> tuple[list[tuple[Any, Any, str]], dict[str, Any]]:
+    """A model file's tensors: safetensors as (file, header entry, name) to read lazily, torch files loaded."""
     from .torch_bridge import is_tensor
 
     if name.endswith(".safetensors"):
-        import numpy as np
-
-        from .. import dtypes
-        from .base import read_range
         from .hf import read_header
 
         entries, _ = read_header(loc)
-        return {
-            tensor: np.frombuffer(
-                bytearray(read_range(loc, e.begin, e.end - e.begin)), dtype=dtypes.to_numpy(e.dtype)
-            ).reshape(e.shape)
-            for tensor, e in sorted(entries.items(), key=lambda kv: kv[1].begin)
-        }
+        return [(loc, e, prefix + t) for t, e in sorted(entries.items(), key=lambda kv: kv[1].begin)], {}
     obj = load_torch_file(loc)
     if not isinstance(obj, Mapping) or not all(is_tensor(v) for v in obj.values()):
         raise SourceFormatError("expected a model state dict (a flat dict of tensors)", path=loc.url)
-    return {str(k): v for k, v in obj.items()}
+    return [], {prefix + str(k): v for k, v in obj.items()}
 
 
 def import_accelerate(
@@ -102,9 +95,13 @@ def import_accelerate(
     missing: dict[str, str] = {}
     skipped: list[str] = []
 
-    weights: dict[str, Any] = {}
+    lazy: list[tuple[Any, Any, str]] = []
+    loaded: dict[str, Any] = {}
     for i, name in sorted(models.items()):
-        weights |= {(f"model_{i}." if i else "") + k: v for k, v in _model(loc.join(name), name).items()}
+        items, tensors = _model(loc.join(name), name, f"model_{i}." if i else "")
+        lazy += items
+        loaded |= tensors
+    weights = LazySafetensors(lazy, loaded)
     if models:
         sources["weights"] = field_source(", ".join(models[i] for i in sorted(models)))
     else:

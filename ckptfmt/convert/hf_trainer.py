@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -270,18 +270,46 @@ def missing_note(fmt: str, missing: Mapping[str, str]) -> str:
 # ---------------------------------------------------------------- import
 
 
-def _weights(loc: Location, names: Mapping[str, str]) -> tuple[dict[str, Any], str]:
-    """(tensors by name, the source file(s)): safetensors by byte range, else pytorch_model.bin weights_only."""
-    if any(n.endswith(".safetensors") for n in names):
+class LazySafetensors(Mapping[str, Any]):
+    """Safetensors tensors by name, each read (its byte range only) when asked for, so memory stays at one
+    tensor; ``loaded`` adds tensors already at hand (memory-mapped torch files)."""
+
+    def __init__(self, items: list[tuple[Location, Any, str]], loaded: Mapping[str, Any] | None = None) -> None:
+        self._items = {name: (shard, entry) for shard, entry, name in items}
+        self._loaded = dict(loaded or {})
+        if set(self._items) & set(self._loaded):
+            raise SourceFormatError(f"tensor {sorted(set(self._items) & set(self._loaded))[0]!r} appears twice")
+
+    def __getitem__(self, name: str) -> Any:
         from .. import dtypes
 
+        if name in self._loaded:
+            return self._loaded[name]
+        shard, entry = self._items[name]
+        data = bytearray(read_range(shard, entry.begin, entry.end - entry.begin))
+        return np.frombuffer(data, dtype=dtypes.to_numpy(entry.dtype)).reshape(entry.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._items, *self._loaded])
+
+    def __len__(self) -> int:
+        return len(self._items) + len(self._loaded)
+
+    def nbytes(self, name: str) -> int:
+        if name in self._loaded:
+            return _nbytes(self._loaded[name])
+        _, entry = self._items[name]
+        return int(entry.end - entry.begin)
+
+
+def _weights(loc: Location, names: Mapping[str, str]) -> tuple[Mapping[str, Any], str]:
+    """(tensors by name, the source file(s)): safetensors by byte range, else pytorch_model.bin weights_only."""
+    if any(n.endswith(".safetensors") for n in names):
         items, info = hf.plan_read(loc)
-        out: dict[str, Any] = {}
-        for shard, entry, name in items:
-            data = bytearray(read_range(shard, entry.begin, entry.end - entry.begin))
-            out[name] = np.frombuffer(data, dtype=dtypes.to_numpy(entry.dtype)).reshape(entry.shape)
         files = sorted({shard.url.rpartition("/")[2] for shard, _, _ in items})
-        return out, ", ".join(files) if info["layout"] == "sharded" else files[0] if files else hf.SINGLE
+        return LazySafetensors(items), ", ".join(files) if info["layout"] == "sharded" else files[
+            0
+        ] if files else hf.SINGLE
     if PT_INDEX in names:
         index_url = loc.join(PT_INDEX).url
         index = read_json(loc.join(PT_INDEX), "weights index")
@@ -307,6 +335,11 @@ def _state_dict(loc: Location) -> dict[str, Any]:
     if not isinstance(obj, Mapping) or not all(is_tensor(v) for v in obj.values()):
         raise SourceFormatError("expected a flat dict of tensors (a model state dict)", path=loc.url)
     return {str(k): v for k, v in obj.items()}
+
+
+def _size(tensors: Mapping[str, Any], name: str) -> int:
+    """A tensor's size in bytes without reading it when the mapping is lazy."""
+    return tensors.nbytes(name) if isinstance(tensors, LazySafetensors) else _nbytes(tensors[name])
 
 
 def _nbytes(value: Any) -> int:
@@ -459,7 +492,7 @@ def write_training(
     import ckptfmt
 
     tensor_fields = {"weights": weights, "optimizer": optimizer[0], **dict(extra_tensors or {})}
-    progress.start(sum(_nbytes(t) for tensors in tensor_fields.values() for t in tensors.values()))
+    progress.start(sum(_size(tensors, name) for tensors in tensor_fields.values() for name in tensors))
     options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
     if target_file_size is not None:
         options["target_file_size"] = target_file_size
