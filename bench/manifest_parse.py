@@ -1,6 +1,9 @@
 """Parse time of a large manifest: 1,000 tensors sharded over 100 ranks, 100,000 chunks.
 
-    python bench/manifest_parse.py [--tensors 1000] [--ranks 100] [--repeat 3]
+    python bench/manifest_parse.py [--tensors 1000] [--ranks 100] [--repeat 3] [--layout rows|columns]
+
+``--layout columns`` is the adversarial case for the chunk-overlap check: one tensor of
+``tensors x ranks`` chunks that all span the same rows and tile along dim 1.
 
 Reports the time of ckptfmt.parse_manifest (JSON decoding, duplicate-member check, full validation
 incl. chunk coverage) beside plain json.loads of the same bytes, the floor any Python reader pays.
@@ -17,7 +20,9 @@ from ckptfmt.canonical import manifest_bytes
 from ckptfmt.manifest import parse_manifest
 
 
-def build(tensors: int, ranks: int) -> bytes:
+def build(tensors: int, ranks: int, layout: str = "rows") -> bytes:
+    if layout == "columns":
+        return build_columns(tensors * ranks)
     rows = 64
     files = {f"weights/r{r:05d}-00000.safetensors": 1 << 40 for r in range(ranks)}
     fields: dict[str, object] = {}
@@ -45,13 +50,41 @@ def build(tensors: int, ranks: int) -> bytes:
     return manifest_bytes(doc)
 
 
+def build_columns(count: int) -> bytes:
+    path = "weights/r00000-00000.safetensors"
+    chunks = [
+        {
+            "path": path,
+            "key": f"w@0,{c}",
+            "offsets": [0, c],
+            "shape": [64, 1],
+            "range": [4096 + c * 128, 4096 + (c + 1) * 128],
+            "digest": "xxh3-128:" + f"{c:032x}",
+            "codec": {"name": "raw"},
+        }
+        for c in range(count)
+    ]
+    fields = {
+        "weights": {"kind": "tensors", "tensors": {"w": {"dtype": "F16", "shape": [64, count], "chunks": chunks}}},
+        "provenance": {"kind": "context", "context": {"path": "provenance/context.msgpack"}},
+    }
+    records = [
+        {"path": path, "size": 1 << 40, "digest": "xxh3-128:" + "0" * 32},
+        {"path": "provenance/context.msgpack", "size": 64, "digest": "xxh3-128:" + "0" * 32},
+    ]
+    records.sort(key=lambda r: str(r["path"]))
+    doc = {"format": "ckptfmt", "format_version": "1.0", "profile": "weights", "files": records, "fields": fields}
+    return manifest_bytes(doc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--ranks", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--layout", choices=("rows", "columns"), default="rows")
     args = parser.parse_args()
-    data = build(args.tensors, args.ranks)
+    data = build(args.tensors, args.ranks, args.layout)
     parse, plain = [], []
     for _ in range(args.repeat):
         start = time.perf_counter()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise, product
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptfmt import chunks
 from ckptfmt.chunks import Box, coverage_problem, intersect
 
 CASES: list[tuple[str, tuple[int, ...], list[Box], str | None]] = [
@@ -115,3 +118,90 @@ def test_grids_tile_and_any_removal_or_duplication_breaks_them(
     i = data.draw(st.integers(0, len(boxes) - 1))
     assert coverage_problem(shape, boxes[:i] + boxes[i + 1 :]) is not None
     assert coverage_problem(shape, [*boxes, boxes[i]]) is not None
+
+
+def _pair(problem: str | None) -> tuple[int, int]:
+    assert problem is not None and "overlap" in problem, problem
+    words = problem.split()
+    return int(words[1]), int(words[3])
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_boxes())
+def test_the_sweep_fallback_agrees_with_the_oracle(case: tuple[tuple[int, ...], list[Box]]) -> None:
+    shape, boxes = case
+    with patch.object(chunks, "MAX_GRID_CELLS", 0), patch.object(chunks, "SWEEP_BUDGET_PER_CHUNK", 0):
+        problem = coverage_problem(shape, boxes)  # every layout takes the last resort
+    assert (problem is None) == oracle(shape, boxes)
+    if problem is not None and "overlap" in problem and shape:
+        a, b = _pair(problem)
+        assert intersect(boxes[a], boxes[b]) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_boxes())
+def test_the_grid_agrees_with_the_oracle(case: tuple[tuple[int, ...], list[Box]]) -> None:
+    shape, boxes = case
+    with patch.object(chunks, "SWEEP_BUDGET_PER_CHUNK", 0):
+        problem = coverage_problem(shape, boxes)
+    assert (problem is None) == oracle(shape, boxes)
+    if problem is not None and "overlap" in problem and shape:
+        a, b = _pair(problem)
+        assert intersect(boxes[a], boxes[b]) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_boxes())
+def test_a_reported_overlap_names_two_chunks_that_overlap(case: tuple[tuple[int, ...], list[Box]]) -> None:
+    shape, boxes = case
+    problem = coverage_problem(shape, boxes)
+    if problem is not None and "overlap" in problem and shape:
+        a, b = _pair(problem)
+        assert a < b and intersect(boxes[a], boxes[b]) is not None
+
+
+N = 100_000
+
+
+def _columns(n: int) -> tuple[tuple[int, ...], list[Box]]:
+    """n chunks all spanning the same rows, tiling along dim 1 (quadratic for a dim-0 sweep)."""
+    return (4, n), [((0, i), (4, 1)) for i in range(n)]
+
+
+def _staircase(m: int) -> tuple[tuple[int, ...], list[Box]]:
+    """2m chunks, row i cut at column i + 1: m x (m + 1) boundary cells, too many for the grid."""
+    boxes: list[Box] = []
+    for i in range(m):
+        boxes += [((i, 0), (1, i + 1)), ((i, i + 1), (1, m - i))]
+    return (m, m + 1), boxes
+
+
+def _staircase_3d(m: int) -> tuple[tuple[int, ...], list[Box]]:
+    boxes: list[Box] = []
+    for i in range(m):
+        boxes += [((i, 0, 0), (1, i + 1, 1)), ((i, 0, 1), (1, i + 1, 1)), ((i, i + 1, 0), (1, m - i, 2))]
+    return (m, m + 1, 2), boxes
+
+
+LAYOUTS = {
+    "columns": _columns(N),
+    "columns-3d": ((2, N // 4, 4), [((0, i, j), (2, 1, 1)) for i in range(N // 4) for j in range(4)]),
+    "staircase": _staircase(N // 2),
+    "staircase-3d": _staircase_3d(N // 3),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_adversarial_100k_chunk_layouts_are_checked_exactly(name: str) -> None:
+    shape, boxes = LAYOUTS[name]
+    started = time.perf_counter()
+    assert coverage_problem(shape, boxes) is None
+    last = boxes[-1]
+    # overlap: a copy of the first chunk at the end; gap: the last chunk dropped; out of bounds: shifted
+    assert _pair(coverage_problem(shape, [*boxes, boxes[0]])) == (0, len(boxes))
+    gap = coverage_problem(shape, boxes[:-1])
+    assert gap is not None and "gap" in gap
+    shifted = ((last[0][0] + 1, *last[0][1:]), last[1])
+    outside = coverage_problem(shape, [*boxes[:-1], shifted])
+    assert outside is not None and "outside" in outside
+    print(f"{name}: {len(boxes)} chunks, 4 checks in {time.perf_counter() - started:.2f} s")
