@@ -6,10 +6,11 @@
 
 A one-block GPT-style language model (token and position embeddings, causal self-attention, an MLP,
 dropout, a head tied to the embedding) learns a synthetic, seeded Markov-chain language. Batches come
-from a shuffling :class:`ResumableSampler` through a torch ``DataLoader`` (``--workers`` > 0 uses worker
-processes); a numpy ``Generator`` corrupts a few input tokens per batch, so data order, dropout and
-the augmentation all draw on state that a checkpoint must carry. AdamW with a warmup-then-cosine
-learning rate. Started again with the same ``--run-dir``, it resumes from the newest good checkpoint.
+from a shuffling :class:`ResumableDataLoader` (``--workers`` > 0 uses worker processes), whose position is
+what it handed to the loop — the loop calls no ``advance()``; a numpy ``Generator`` corrupts a few input
+tokens per batch, so data order, dropout and the augmentation all draw on state that a checkpoint must
+carry. AdamW with a warmup-then-cosine learning rate. Started again with the same ``--run-dir``, it resumes
+from the newest good checkpoint.
 
 Test hooks: ``--kill-after-checkpoint-step N`` SIGKILLs the process as soon as the checkpoint at
 step N is durable; ``--withhold FIELD`` resumes without that field (a negative control: the resumed
@@ -38,9 +39,9 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableSampler
+from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableDataLoader
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,7 @@ class Trainer:
     model: TinyGPT
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.SequentialLR
-    sampler: ResumableSampler
-    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]]
+    loader: ResumableDataLoader[tuple[torch.Tensor, torch.Tensor]]
     augment: np.random.Generator
 
     def state(self) -> dict[str, Any]:
@@ -149,12 +149,12 @@ class Trainer:
             "model": self.model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
-            "sampler": self.sampler,
+            "loader": self.loader,
             "generators": {"augment": self.augment},
         }
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Endless batches; each pass over the loader starts where the sampler's position is."""
+        """Endless batches; each pass over the loader continues where the last batch it handed out left off."""
         while True:
             yield from self.loader
 
@@ -172,7 +172,6 @@ class Trainer:
         nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()
-        self.sampler.advance(len(inputs))  # the position moves by what was consumed, not what was prefetched
         return float(loss.item())
 
 
@@ -187,20 +186,19 @@ def build(cfg: TrainConfig, *, workers: int = 0) -> Trainer:
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=cfg.warmup_steps)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, cfg.steps - cfg.warmup_steps))
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[cfg.warmup_steps])
-    sampler = ResumableSampler(
-        len(dataset), seed=cfg.seed, shuffle=True, shard_size=cfg.shard_size, dataset=dataset.identity
-    )
-    # The loader gets its own generator: by default each new loader iterator draws its workers' base seed
-    # from torch's global generator, and a resumed run creates its iterator at a different step.
-    loader = DataLoader(
+    # Its state is the samples it handed out (not what workers prefetched), and it never draws from torch's
+    # global generator, which a resumed run would otherwise advance at another step than the original did.
+    loader = ResumableDataLoader(
         dataset,
         batch_size=cfg.batch_size,
-        sampler=sampler,  # duck-typed: any iterable of indices with __len__
+        shuffle=True,
+        seed=cfg.seed,
         num_workers=workers,
-        generator=torch.Generator().manual_seed(cfg.seed),
+        shard_size=cfg.shard_size,
+        dataset_identity=dataset.identity,
     )
     augment = np.random.default_rng([cfg.seed, 0xA06])
-    return Trainer(cfg, model, optimizer, scheduler, sampler, loader, augment)
+    return Trainer(cfg, model, optimizer, scheduler, loader, augment)
 
 
 class LossLog:
