@@ -80,7 +80,7 @@ def test_import_fills_the_training_profile_and_says_what_is_missing(run: Path, t
     assert result.exit_code == 0, result.stderr
     doc = result.json()
     assert doc["source"]["format"] == "hf-trainer"
-    assert any("training_args.bin" in n and "never unpickled" in n for n in doc["notes"])
+    assert any("training_args.bin read by scanning its pickle opcodes" in n for n in doc["notes"])
     assert any("lacks topology" in n for n in doc["notes"])
     assert "note: " in result.stderr
     with ckptfmt.open(out) as ckpt:
@@ -103,6 +103,9 @@ def test_import_fills_the_training_profile_and_says_what_is_missing(run: Path, t
         assert data["global_sample_offset"] == 12  # 3 steps of 4 samples
         config = ckpt.read_context("config")["config"]
         assert config["model"]["n_embd"] == 16 and config["trainer"]["train_batch_size"] == 4
+        args = config["training_args"]
+        assert args["learning_rate"] == 1e-3 and args["max_steps"] == STEPS and args["save_strategy"] == "steps"
+        assert args["gradient_accumulation_steps"] == 1 and args["per_device_train_batch_size"] == 4
         provenance = ckpt.read_context("provenance")
         assert provenance["step"] == 3
         sources = provenance["converted_from"]["fields"]
@@ -169,7 +172,25 @@ def test_training_args_is_never_unpickled(run: Path, tmp_path: Path) -> None:
     (src / "training_args.bin").write_bytes(pickle.dumps(_Payload(str(marker))))
     result = convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
     assert not marker.exists()
-    assert any("training_args.bin" in n for n in result.notes)
+    assert any(n.startswith("skipped training_args.bin") and "never unpickled" in n for n in result.notes)
+    with ckptfmt.open(tmp_path / "ours") as ckpt:
+        assert "training_args" not in ckpt.read_context("config")["config"]
+        assert ckpt.read_context("provenance")["converted_from"]["skipped"][0].startswith("training_args.bin")
+
+
+def test_training_args_gradient_accumulation_counts_and_tokens_are_dropped(run: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(run / "checkpoint-3", src)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), gradient_accumulation_steps=2, hub_token="hf_secret_value", report_to=[]
+    )
+    torch.save(args, src / "training_args.bin")  # as the Trainer saves it
+    convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
+    with ckptfmt.open(tmp_path / "ours") as ckpt:
+        assert ckpt.read_context("data")["global_sample_offset"] == 3 * 4 * 2
+        training_args = ckpt.read_context("config")["config"]["training_args"]
+        assert training_args["gradient_accumulation_steps"] == 2 and "hub_token" not in training_args
+    assert not any(b"hf_secret_value" in f.read_bytes() for f in (tmp_path / "ours").rglob("*") if f.is_file())
 
 
 @pytest.mark.parametrize("name", ["optimizer.pt", "rng_state.pth", "scheduler.pt"])
@@ -271,3 +292,37 @@ def test_export_from_a_ckptfmt_torch_checkpoint(tmp_path: Path) -> None:
     for pid, entries in optimizer.state_dict()["state"].items():
         for key, value in entries.items():
             assert torch.equal(loaded["state"][pid][key], value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pickle.dumps({"a": 1})[:-3],  # truncated
+        b"\x80\x02cos\nsystem\n(S'touch x'\ntR.",  # a bare call of os.system, protocol 2
+        b"\x80\x02(cos\nsystem\nS'touch x'\ni__main__\nX\n.",  # INST: an opcode the scan does not read
+        b"PK\x03\x04 not really a zip",
+    ],
+)
+def test_unreadable_training_args_are_skipped_and_named(run: Path, tmp_path: Path, data: bytes) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(run / "checkpoint-3", src)
+    (src / "training_args.bin").write_bytes(data)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        result = convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "x").exists()
+    assert any(n.startswith("skipped training_args.bin") for n in result.notes)
+
+
+def test_scan_pickle_reads_plain_values_and_keeps_calls_opaque() -> None:
+    from ckptfmt.convert.hf_trainer import scan_pickle
+
+    value = {"a": [1, 2.5, None, True, "s", b"b"], "t": (1, (2,)), "shared": [0]}
+    value["again"] = value["shared"]
+    for protocol in range(3, pickle.HIGHEST_PROTOCOL + 1):  # protocol 2 writes bytes as a call of _codecs
+        assert scan_pickle(pickle.dumps(value, protocol=protocol), "mem") == {**value, "t": (1, (2,))}
+    opaque = scan_pickle(pickle.dumps(_Payload("m")), "mem")
+    assert type(opaque).__name__ == "_Opaque" and opaque.name.endswith("system")  # type: ignore[attr-defined]

@@ -14,14 +14,17 @@ source file            what                                                field
 ``config.json``        the model's config                                  ``config``
 ``scheduler.pt``       ``lr_scheduler.state_dict()``                       ``scheduler``
 ``scaler.pt``          ``GradScaler.state_dict()`` (mixed precision)       ``grad_scaler``
-``training_args.bin``  a pickle of ``TrainingArguments``: never unpickled  (skipped)
+``training_args.bin``  ``TrainingArguments``, pickled: opcodes scanned,    ``config``, ``data``
+                       never unpickled (see :func:`read_training_args`)
 =====================  ==================================================  ==================
 
 Torch files load with ``torch.load(weights_only=True)``; the RNG files hold numpy's legacy state,
 so they load under the allow-list the Trainer itself uses (numpy's array reconstructor, ndarray
-and dtypes, which build arrays and nothing else). The gradient-accumulation steps and the exact
-optimizer class live only in ``training_args.bin``, so the data position assumes one
-micro-batch per step (said in the notes) and the optimizer context names no class.
+and dtypes, which build arrays and nothing else). ``training_args.bin`` is never unpickled: its
+opcodes are decoded (``pickletools``) and interpreted symbolically, every import and call kept as
+an opaque record, so its plain fields (gradient accumulation for the data position, the learning
+rate, the optimizer's name...) are read without running anything; ``*_token`` fields are dropped.
+When that fails the file is skipped, said in the notes, and one micro-batch per step is assumed.
 
 Export writes the files the Trainer's ``resume_from_checkpoint`` reads, from any training-profile
 checkpoint (an imported one round-trips them; one written by :mod:`ckptfmt.torch` gets a minimal
@@ -34,6 +37,7 @@ import io
 import math
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -267,6 +271,184 @@ def missing_note(fmt: str, missing: Mapping[str, str]) -> str:
     return f"the {fmt} source lacks " + "; ".join(f"{name} ({why})" for name, why in missing.items())
 
 
+# ---------------------------------------------------------------- training_args.bin, read without unpickling
+
+MAX_ARGS_BYTES = 16 << 20
+MAX_PICKLE_OPS = 1_000_000
+
+
+@dataclass(slots=True)
+class _Opaque:
+    """An object the pickle would have built by importing ``name`` and calling it: never imported, never called."""
+
+    name: str
+    args: object = None
+    state: object = None
+
+
+def scan_pickle(data: bytes, url: str) -> object:
+    """Interpret a pickle's opcodes symbolically (``pickletools.genops`` only decodes them): containers and
+    plain values are rebuilt, every global reference and call becomes an :class:`_Opaque` record."""
+    import pickletools
+
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+
+    def pop_mark() -> list[Any]:
+        start = marks.pop()
+        items = stack[start:]
+        del stack[start:]
+        return items
+
+    try:
+        for count, (op, arg, _) in enumerate(pickletools.genops(data)):
+            if count > MAX_PICKLE_OPS:
+                raise SourceFormatError(f"more than {MAX_PICKLE_OPS} pickle opcodes", path=url)
+            name = op.name
+            if name in ("PROTO", "FRAME", "STOP"):
+                continue
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in _PUSH_ARG:
+                stack.append(arg)
+            elif name in _PUSH_CONST:
+                stack.append(_PUSH_CONST[name])
+            elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "EMPTY_SET"):
+                stack.append({"EMPTY_DICT": {}, "EMPTY_LIST": [], "EMPTY_TUPLE": (), "EMPTY_SET": []}[name])
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                items = stack[-n:]
+                del stack[-n:]
+                stack.append(tuple(items))
+            elif name in ("TUPLE", "LIST", "FROZENSET"):
+                items = pop_mark()
+                stack.append(tuple(items) if name == "TUPLE" else list(items))
+            elif name == "DICT":
+                items = pop_mark()
+                stack.append(_pairs(items))
+            elif name == "SETITEM":
+                value, key = stack.pop(), stack.pop()
+                _setitems(stack[-1], [key, value])
+            elif name == "SETITEMS":
+                items = pop_mark()
+                _setitems(stack[-1], items)
+            elif name in ("APPEND", "APPENDS", "ADDITEMS"):
+                items = [stack.pop()] if name == "APPEND" else pop_mark()
+                if isinstance(stack[-1], list):
+                    stack[-1].extend(items)
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[int(str(arg))] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[int(str(arg))])
+            elif name == "GLOBAL":
+                stack.append(_Opaque(str(arg).replace(" ", ".")))
+            elif name == "STACK_GLOBAL":
+                attr, module = stack.pop(), stack.pop()
+                stack.append(_Opaque(f"{module}.{attr}"))
+            elif name in ("REDUCE", "NEWOBJ"):
+                args, func = stack.pop(), stack.pop()
+                stack.append(_Opaque(func.name if isinstance(func, _Opaque) else "?", args))
+            elif name == "NEWOBJ_EX":
+                _kwargs, args, func = stack.pop(), stack.pop(), stack.pop()
+                stack.append(_Opaque(func.name if isinstance(func, _Opaque) else "?", args))
+            elif name == "BUILD":
+                state = stack.pop()
+                if isinstance(stack[-1], _Opaque):
+                    stack[-1].state = state
+            elif name in ("BINPERSID", "PERSID"):
+                stack[-1 if name == "BINPERSID" else len(stack) :] = [_Opaque("persistent")]
+            elif name == "POP":
+                stack.pop()
+            elif name == "POP_MARK":
+                pop_mark()
+            elif name == "DUP":
+                stack.append(stack[-1])
+            else:
+                raise SourceFormatError(f"pickle opcode {name} is not read", path=url)
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise SourceFormatError(f"not a readable pickle: {exc}", path=url) from exc
+    if len(stack) != 1:
+        raise SourceFormatError("the pickle does not end with one object", path=url)
+    return stack[0]
+
+
+_PUSH_ARG = {
+    "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT", "SHORT_BINUNICODE",
+    "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING", "SHORT_BINBYTES",
+    "BINBYTES", "BINBYTES8",
+}  # fmt: skip
+_PUSH_CONST: dict[str, object] = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
+
+
+def _pairs(items: list[Any]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    _setitems(out, items)
+    return out
+
+
+def _setitems(target: object, items: list[Any]) -> None:
+    if isinstance(target, dict):
+        for key, value in zip(items[::2], items[1::2], strict=True):
+            if isinstance(key, (str, int, float, bool, type(None))):
+                target[key] = value
+
+
+def read_training_args(loc: Location) -> dict[str, object]:
+    """The plain fields of a pickled ``TrainingArguments`` (a torch zip file or a bare pickle), found by
+    scanning opcodes: nothing is imported or run. Enums give their value; ``*_token`` fields are dropped."""
+    import io
+    import zipfile
+
+    size = int(fs_call(loc.url, loc.fs.size, loc.path))
+    if size > MAX_ARGS_BYTES:
+        raise SourceFormatError(f"larger than {MAX_ARGS_BYTES} bytes", path=loc.url)
+    data = fs_call(loc.url, loc.fs.cat_file, loc.path)
+    if data[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                member = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
+                if member is None or member.file_size > MAX_ARGS_BYTES:
+                    raise SourceFormatError("no data.pkl of a sane size in the torch archive", path=loc.url)
+                data = archive.read(member)
+        except zipfile.BadZipFile as exc:
+            raise SourceFormatError(f"not a readable torch archive: {exc}", path=loc.url) from exc
+    root = scan_pickle(data, loc.url)
+    if not (isinstance(root, _Opaque) and root.name.endswith("TrainingArguments") and isinstance(root.state, dict)):
+        raise SourceFormatError("does not hold a TrainingArguments object", path=loc.url)
+    out: dict[str, object] = {}
+    for key, value in root.state.items():
+        if not isinstance(key, str) or key.endswith("_token") or key.startswith("_"):
+            continue
+        if isinstance(value, _Opaque) and isinstance(value.args, tuple) and len(value.args) == 1:
+            value = value.args[0]  # an Enum member pickles as a call of its class with its value
+        if _is_plain(value):
+            out[key] = _as_json(value)
+    return out
+
+
+def _is_plain(value: object) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and not k.endswith("_token") and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _as_json(value: object) -> object:
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    return value
+
+
 # ---------------------------------------------------------------- import
 
 
@@ -405,16 +587,34 @@ def import_hf_trainer(
     if type(step) is not int or step < 0:
         raise SourceFormatError("'global_step' must be a non-negative integer", path=loc.join(TRAINER_STATE).url)
     world = max(1, len(ranks))
+    skipped: list[str] = []
+    training_args: dict[str, object] = {}
+    if TRAINING_ARGS in names:
+        try:
+            training_args = read_training_args(loc.join(TRAINING_ARGS))
+        except SourceFormatError as exc:  # unreadable without running it: left alone, and said so
+            skipped.append(f"{TRAINING_ARGS}: {exc.message}; never unpickled")
+    accumulation = training_args.get("gradient_accumulation_steps")
+    micro = accumulation if type(accumulation) is int and accumulation > 0 else 1
     data: dict[str, object] = {
         "epoch": math.floor(epoch) if isinstance(epoch, (int, float)) and math.isfinite(epoch) else 0,
-        "global_sample_offset": step * batch * world if type(batch) is int and batch > 0 else 0,
+        "global_sample_offset": step * batch * micro * world if type(batch) is int and batch > 0 else 0,
         "hf_trainer": {"global_step": step, "epoch": epoch},
     }
-    sources["data"] = field_source(TRAINER_STATE, "global_step, epoch, train_batch_size")
-    notes.append(
-        "data: global_sample_offset = global_step x train_batch_size x processes, assuming one micro-batch "
-        f"per step (gradient_accumulation_steps is in {TRAINING_ARGS}, which is not read)"
-    )
+    if training_args:
+        sources["data"] = field_source(
+            f"{TRAINER_STATE}, {TRAINING_ARGS}", "global_step, epoch, train_batch_size, gradient_accumulation_steps"
+        )
+        notes.append(
+            f"{TRAINING_ARGS} read by scanning its pickle opcodes (nothing imported or run): "
+            f"{len(training_args)} plain fields into config.training_args, *_token fields dropped"
+        )
+    else:
+        sources["data"] = field_source(TRAINER_STATE, "global_step, epoch, train_batch_size")
+        notes.append(
+            "data: global_sample_offset = global_step x train_batch_size x processes, assuming one micro-batch "
+            f"per step (gradient_accumulation_steps is in {TRAINING_ARGS}, which could not be read)"
+        )
 
     config: dict[str, object] = {
         "trainer": {
@@ -426,9 +626,12 @@ def import_hf_trainer(
     for name, key in ((CONFIG, "model"), (GENERATION_CONFIG, "generation")):
         if name in names:
             config[key] = read_json(loc.join(name), name)
-    sources["config"] = field_source(
-        ", ".join(n for n in (CONFIG, GENERATION_CONFIG, TRAINER_STATE) if n in names), "model, generation, trainer"
+    if training_args:
+        config["training_args"] = training_args
+    read = [n for n in (CONFIG, GENERATION_CONFIG, TRAINER_STATE) if n in names] + (
+        [TRAINING_ARGS] * bool(training_args)
     )
+    sources["config"] = field_source(", ".join(read), ", ".join(k for k in config))
     if CONFIG not in names:
         missing["config"] = f"no {CONFIG}: only the trainer's settings from {TRAINER_STATE}"
     missing["topology"] = (
@@ -444,9 +647,7 @@ def import_hf_trainer(
         if name in names:
             extra[fname] = {"state": plain(load_torch_file(loc.join(name)), loc.join(name).url)}
             sources[fname] = field_source(name)
-    skipped = [f"{TRAINING_ARGS}: a pickle of arbitrary classes, never unpickled"] if TRAINING_ARGS in names else []
-    if skipped:
-        notes.append(f"skipped {skipped[0]}")
+    notes += [f"skipped {s}" for s in skipped]
     if missing:
         notes.insert(0, missing_note("Trainer", missing))
 
