@@ -203,3 +203,20 @@ def test_torch_sampler_protocol() -> None:
     s.set_epoch(3)
     assert s.epoch == 3 and list(s) != list(ResumableSampler(N, seed=0, world_size=4, rank=2))
     assert isinstance(np.asarray(list(s)), np.ndarray)
+
+
+def test_rank_and_world_size_default_to_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from ckptfmt.torch import ResumableDataLoader
+
+    assert (ResumableSampler(N).rank, ResumableSampler(N).world_size) == (0, 1)  # no process group: one process
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    s = ResumableSampler(N, seed=7)
+    assert (s.rank, s.world_size) == (2, 3)
+    assert list(s) == list(ResumableSampler(N, seed=7, rank=2, world_size=3))
+    loader = ResumableDataLoader(Indices(), batch_size=4, seed=7)
+    assert (loader.rank, loader.world_size) == (2, 3)
+    assert ResumableSampler(N, rank=0).rank == 0  # explicit values win

@@ -230,10 +230,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
     sizes = [len(g["params"]) for g in groups]
     if sizes != [len(g["params"]) for g in optimizer.param_groups]:
         raise UsageError(f"the checkpoint's parameter groups have {sizes} parameters, the optimizer's differ")
-    for name in snap.tensors["optimizer"]:
-        parts = name.split(".", 2)
-        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
-            raise ContextError(f"optimizer tensor {name!r} is not named state.<index>.<key>", field="optimizer")
+    if state.optimizer_keys(snap) == "index":  # keyed by parameter name (fqn), any name is a parameter's
+        for name in snap.tensors["optimizer"]:
+            parts = name.split(".", 2)
+            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+                raise ContextError(f"optimizer tensor {name!r} is not named state.<index>.<key>", field="optimizer")
 
 
 def _rollback_point(
@@ -307,7 +308,7 @@ def apply(
         if scaler is not None:
             state.apply_stateful("grad_scaler", scaler, snap)
         if optimizer is not None:
-            state.apply_optimizer(optimizer, snap)
+            state.apply_optimizer(optimizer, snap, model)
         if restore_rng:
             rng.restore(snap.contexts["rng"], generators)
         if sampler is not None:
@@ -320,7 +321,8 @@ def apply(
 
 def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
     """Resume from an open checkpoint: read and verify every field, then compare and apply (see :func:`restore`)."""
-    snap = state.read_snapshot(ckpt)  # everything read and verified before anything is applied
+    # everything read and verified before anything is applied; for a model's DTensors, only this rank's region
+    snap = state.read_snapshot(ckpt, state.load_targets(kwargs["model"]) if "model" in kwargs else None)
     return restore(snap, checkpoint_id=ckpt.id, url=ckpt.url, **kwargs)
 
 

@@ -260,7 +260,7 @@ class CheckpointManager:
                         if not report.ok:
                             log.warning("skipping %s: %s", entry.name, "; ".join(map(str, report.problems[:3])))
                             continue
-                    snap = state.read_snapshot(ckpt)
+                    snap = state.read_snapshot(ckpt, state.load_targets(model))
                     ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
             except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
                 log.warning("skipping %s: cannot be read: %s: %s", entry.name, type(exc).__name__, exc)
