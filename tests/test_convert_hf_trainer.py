@@ -317,6 +317,19 @@ def test_unreadable_training_args_are_skipped_and_named(run: Path, tmp_path: Pat
     assert any(n.startswith("skipped training_args.bin") for n in result.notes)
 
 
+def test_deeply_nested_training_args_are_read_without_recursion(run: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(run / "checkpoint-3", src)
+    depth = 100_000  # lists nested this deep: the nested field is left out, the rest is read
+    head = b"\x80\x04ctransformers.training_args\nTrainingArguments\n)\x81}"
+    deep = b"\x8c\x01a" + b"]" * depth + b"a" * (depth - 1) + b"s"
+    plain = b"\x8c\x1bgradient_accumulation_stepsK\x03s"
+    (src / "training_args.bin").write_bytes(head + deep + plain + b"b.")
+    convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
+    with ckptfmt.open(tmp_path / "ours") as ckpt:
+        assert ckpt.read_context("config")["config"]["training_args"] == {"gradient_accumulation_steps": 3}
+
+
 def test_scan_pickle_reads_plain_values_and_keeps_calls_opaque() -> None:
     from ckptfmt.convert.hf_trainer import scan_pickle
 

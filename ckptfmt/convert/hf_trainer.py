@@ -429,15 +429,20 @@ def read_training_args(loc: Location) -> dict[str, object]:
     return out
 
 
-def _is_plain(value: object) -> bool:
+def _is_plain(value: object, depth: int = 0) -> bool:
+    """JSON-like and at most 16 levels deep (a crafted pickle may nest far deeper)."""
     if value is None or isinstance(value, (bool, int, str)):
-        return True
+        return not isinstance(value, int) or -(1 << 63) <= value < (1 << 64)
     if isinstance(value, float):
         return math.isfinite(value)
+    if depth >= 16:
+        return False
     if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
+        return all(_is_plain(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and not k.endswith("_token") and _is_plain(v) for k, v in value.items())
+        return all(
+            isinstance(k, str) and not k.endswith("_token") and _is_plain(v, depth + 1) for k, v in value.items()
+        )
     return False
 
 
