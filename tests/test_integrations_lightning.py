@@ -140,3 +140,20 @@ def test_remove_checkpoint(tmp_path: Path, runs: tuple[Path, Net, Path]) -> None
     shutil.copytree(killed / "epoch=0-step=4.ckpt", copy)
     CkptfmtCheckpointIO().remove_checkpoint(copy)
     assert not copy.exists()
+
+
+def test_a_plugin_checkpoint_exports_to_a_plain_ckpt(runs: tuple[Path, Net, Path], tmp_path: Path) -> None:
+    """Leaving ckptfmt is one command: the directory the plugin wrote becomes the .ckpt Lightning writes."""
+    from ckptfmt.convert import convert, detect_format
+
+    _, _, killed = runs
+    source = killed / "epoch=1-step=8.ckpt"
+    assert detect_format(str(source)) == "ckptfmt"
+    convert(str(source), str(tmp_path / "plain.ckpt"), to="lightning")
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert plain["global_step"] == 8 and plain["epoch"] == 1
+    with ckptfmt.open(source) as ckpt:
+        for name, tensor in plain["state_dict"].items():
+            assert torch.equal(tensor, torch.from_numpy(ckpt.read_tensor("weights", name)))
+    assert plain["lr_schedulers"][0]["step_size"] == 2
+    assert "fit_loop" in plain["loops"]

@@ -40,8 +40,8 @@ def normalize_format(name: str) -> str:
 def detect_format(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
     """The format of what is at ``url``, from its names alone (nothing is unpickled or parsed)."""
     text = os.fspath(url).rstrip("/")
-    if text.endswith(".ckpt"):
-        return "lightning"
+    if text.endswith(".ckpt") and not list_names(locate(text, storage_options)):
+        return "lightning"  # a file; a directory named *.ckpt is what ckptfmt's Lightning plugin writes
     if text.endswith((".pt", ".bin", ".pth")):
         return "pt"
     if text.endswith((".safetensors", ".safetensors.index.json")):
