@@ -174,8 +174,8 @@ def test_one_live_iterator_at_a_time() -> None:
         next(iter(loader))
     del it
     # a loop left with break is over: the next one continues where it stopped
-    for workers in (0, 2):
-        loader = make(num_workers=workers)
+    for config in ({}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}):
+        loader = make(**config)
         got = []
         for batch in loader:
             got.append(batch.tolist())

@@ -317,7 +317,8 @@ def inexact_resume_reasons(source: Any) -> list[str]:
             "differ. Pass generator=torch.Generator().manual_seed(SEED), or use ckptfmt.torch.ResumableDataLoader"
         )
     shared = getattr(_inner_sampler(source), "generator", None)
-    if isinstance(source, DataLoader) and shared is not None and shared is source.generator and not reasons:
+    stateful = isinstance(source, DataLoader) and not _is_plain_loader(source)
+    if stateful and shared is not None and shared is source.generator:
         reasons.append(
             f"the {type(source).__name__}'s shuffling sampler and its workers' base seed draw from one generator "
             "(shuffle=True with generator=…), so the epoch after a mid-epoch resume gets another order. Pass "
