@@ -59,6 +59,7 @@ class Plan:
     positions: np.ndarray[Any, Any]
     start_consumed: int
     world_size: int
+    quarantined: frozenset[str] = frozenset()  # the shards left out of this plan
 
     @property
     def per_rank(self) -> int:
@@ -106,6 +107,9 @@ class ResumableSampler:
         self.handed_out = 0
         self.moves = 0
         self.plan: Plan | None = None  # the plan of the newest iterator
+        # Shards a quarantine added after the plan in flight was made still appear in it; a resume into
+        # that plan must leave out only what it left out (see state_dict's "plan_quarantined").
+        self._next_plan_quarantined: set[str] | None = None
         self._live: weakref.ReferenceType[Generator[int, None, None]] | None = None
         self._perm_epoch = -1
         self._perm: np.ndarray[Any, Any] = np.empty(0, np.int64)
@@ -125,12 +129,13 @@ class ResumableSampler:
     def shard_of(self, index: int) -> str:
         return str(int(index) // self.shard_size)
 
-    def _remaining_positions(self) -> np.ndarray[Any, Any]:
+    def _remaining_positions(self, quarantined: set[str] | None = None) -> np.ndarray[Any, Any]:
         """Positions (into the permutation) from the current one on, quarantined shards left out."""
         perm = self._permutation()
         positions = np.arange(self.position, len(perm), dtype=np.int64)
-        if self.quarantined:
-            bad = np.array(sorted(int(s) for s in self.quarantined), dtype=np.int64)
+        quarantined = self.quarantined if quarantined is None else quarantined
+        if quarantined:
+            bad = np.array(sorted(int(s) for s in quarantined), dtype=np.int64)
             positions = positions[~np.isin(perm[positions] // self.shard_size, bad)]
         return positions
 
@@ -147,10 +152,16 @@ class ResumableSampler:
                 "sampler per loop (e.g. a separate one for evaluation), or finish or delete the first iterator "
                 "before starting another"
             )
-        positions = self._remaining_positions()
+        quarantined = self.quarantined if self._next_plan_quarantined is None else self._next_plan_quarantined
+        self._next_plan_quarantined = None
+        positions = self._remaining_positions(quarantined)
         usable = len(positions) - len(positions) % self.world_size  # every rank takes the same number of steps
         self.plan = Plan(
-            epoch=self.epoch, positions=positions[:usable], start_consumed=self.consumed, world_size=self.world_size
+            epoch=self.epoch,
+            positions=positions[:usable],
+            start_consumed=self.consumed,
+            world_size=self.world_size,
+            quarantined=frozenset(quarantined),
         )
         mine = self._permutation()[positions[self.rank : usable : self.world_size]].tolist()
         gen = self._hand_out(mine)
@@ -212,7 +223,11 @@ class ResumableSampler:
         self.epoch, self.position, self.consumed = self.epoch + 1, 0, 0
 
     def quarantine(self, shard: str | int) -> None:
-        """Skip every remaining sample of ``shard`` from the next iterator on (e.g. it yielded NaN)."""
+        """Skip every remaining sample of ``shard`` from the next iterator on (e.g. it yielded NaN).
+
+        An iterator already running (a ResumableDataLoader's epoch in flight) keeps its order; a resume
+        into it does too, and leaves the shard out from the next iterator on, as the original run did.
+        """
         self.quarantined.add(str(shard))
 
     def set_epoch(self, epoch: int) -> None:
@@ -247,8 +262,11 @@ class ResumableSampler:
                 "position": self.position,
                 "world_size": self.world_size,
             },
-            "quarantined_shards": sorted(self.quarantined, key=lambda s: (len(s), s)),
+            "quarantined_shards": _sorted(self.quarantined),
         }
+        plan = self.plan
+        if plan is not None and plan.epoch == self.epoch and plan.quarantined != self.quarantined:
+            state["sampler"]["plan_quarantined"] = _sorted(plan.quarantined)
         if self.dataset is not None:
             state["dataset"] = self.dataset.to_dict()
         return state
@@ -285,11 +303,18 @@ class ResumableSampler:
         if shard_size == 0:
             raise ContextError("shard_size must be positive", field="data")
         quarantined = set(_strings(state.get("quarantined_shards", [])))
+        in_plan = sampler.get("plan_quarantined")
+        next_plan = set(_strings(in_plan)) if in_plan is not None else None
         self.shard_size, self.epoch, self.consumed, self.position = shard_size, epoch, consumed, position
         self.quarantined = quarantined
+        self._next_plan_quarantined = next_plan
         self.handed_out = self.moves = 0
         self.plan = None
         self._perm_epoch = -1
+
+
+def _sorted(shards: set[str] | frozenset[str]) -> list[str]:
+    return sorted(shards, key=lambda s: (len(s), s))
 
 
 def _strings(values: object) -> Sequence[str]:
