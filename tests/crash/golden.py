@@ -1,0 +1,139 @@
+"""Golden checkpoints of each released format version (conformance/golden/<version>/), and what they hold.
+
+Written once by the writer of the day, committed as files, and loaded by tests/test_golden.py for as
+long as the reader claims to read that version. Beside each checkpoint ``<name>/`` lies
+``<name>.expected.json``: its checkpoint id (the manifest's digest: the files were not rewritten),
+profile, format version, and every tensor (dtype, shape, SHA-256 of its little-endian bytes) and
+context (rendered exactly: floats as hex, arrays and bytes by digest).
+
+    PYTHONPATH=tests .venv/bin/python -m crash.golden 1.0   # write conformance/golden/1.0 (refuses to overwrite)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import ckptfmt
+
+GOLDEN = Path(__file__).resolve().parents[2] / "conformance" / "golden"
+PROVENANCE = {
+    "writer": {"name": "ckptfmt", "version": ckptfmt.__version__},
+    "created_at": "2026-12-01T00:00:00Z",
+    "host": "golden",
+    "step": 40,
+}
+
+
+def render(value: object) -> object:
+    """A JSON rendering that keeps every distinction a context can make (float bits, array dtype and bytes)."""
+    if isinstance(value, Mapping):
+        return {str(k): render(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [render(v) for v in value]
+    if isinstance(value, np.ndarray):
+        data = np.ascontiguousarray(value).tobytes()
+        return {"$ndarray": value.dtype.str, "shape": list(value.shape), "sha256": hashlib.sha256(data).hexdigest()}
+    if isinstance(value, bytes):
+        return {"$bytes": value.hex()}
+    if isinstance(value, float):
+        return {"$float": value.hex()}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    raise TypeError(f"cannot render {type(value).__name__}")
+
+
+def expected_of(url: str) -> dict[str, Any]:
+    """What a checkpoint holds, as recorded beside a golden one."""
+    with ckptfmt.open(url) as ckpt:
+        tensors = {}
+        for fname, record in sorted(ckpt.fields.items()):
+            for tname in sorted(record.tensors):
+                array = ckpt.read_tensor(fname, tname)
+                tensors[f"{fname}/{tname}"] = {
+                    "dtype": record.tensors[tname].dtype,
+                    "shape": list(array.shape),
+                    "chunks": len(record.tensors[tname].chunks),
+                    "sha256": hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest(),
+                }
+        contexts = {f: render(ckpt.read_context(f)) for f, r in sorted(ckpt.fields.items()) if r.context is not None}
+        return {
+            "checkpoint_id": ckpt.id,
+            "format_version": ckpt.format_version,
+            "profile": ckpt.profile,
+            "metadata": dict(ckpt.manifest.metadata),
+            "tensors": tensors,
+            "contexts": contexts,
+        }
+
+
+def _training(url: str) -> None:
+    """All seven fields; many dtypes over several data files; a tensor in three chunks; a scalar and an empty tensor."""
+    rng = np.random.default_rng(2026)
+    with ckptfmt.open_writer(url, profile="training", target_file_size=64, metadata={"golden": "training"}) as w:
+        w.write_tensor("weights", "emb", rng.standard_normal((8, 4)).astype(np.float32))
+        w.write_tensor("weights", "ln.w", rng.standard_normal(4).astype(ml_dtypes.bfloat16))
+        w.write_tensor("weights", "ln.b", rng.standard_normal(4).astype(np.float16))
+        w.write_tensor("weights", "head.q", rng.integers(-128, 127, (3, 5)).astype(np.int8))
+        w.write_tensor("weights", "head.f8", rng.standard_normal(6).astype(ml_dtypes.float8_e4m3fn))
+        w.write_tensor("weights", "mask", rng.integers(0, 2, 7).astype(np.bool_))
+        w.write_tensor("weights", "empty", np.zeros((0, 3), np.float64))
+        w.write_tensor("weights", "c", (rng.standard_normal(2) + 1j * rng.standard_normal(2)).astype(np.complex64))
+        full = rng.standard_normal((6, 4)).astype(np.float32)
+        for start in (0, 2, 4):
+            w.write_tensor("optimizer", "emb.exp_avg", full[start : start + 2], global_shape=(6, 4), offsets=(start, 0))
+        w.write_tensor("optimizer", "step", np.array(40, np.int64))
+        w.write_tensor("optimizer", "u", rng.integers(0, 1 << 40, 3).astype(np.uint64))
+        w.write_context("optimizer", {"param_groups": [{"lr": 3e-4, "betas": [0.9, 0.95], "params": ["emb"]}]})
+        w.write_context(
+            "rng",
+            {
+                "generators": {
+                    "numpy": {"kind": "numpy.bit_generator", "state": np.random.PCG64(7).state},
+                    "python": {"kind": "python.random", "state": [3, [*range(624), 624], None]},
+                }
+            },
+        )
+        w.write_context("data", {"epoch": 3, "global_sample_offset": 1 << 40, "shard_offsets": {"s0": 5}})
+        w.write_config({"model": {"layers": 2, "hidden": 4}, "lr": 3e-4, "tags": ["golden", "v1"], "seed": 7})
+        w.write_context("topology", {"world_size": 2, "rank": 0, "mesh": {"dims": ["dp"], "shape": [2]}})
+        w.write_context("provenance", {**PROVENANCE, "code": {"commit": "0" * 40, "dirty": False}})
+
+
+def _weights(url: str) -> None:
+    """The weights profile, written by rank 1, one tensor in chunks along two dimensions."""
+    rng = np.random.default_rng(1)
+    full = rng.standard_normal((4, 6)).astype(np.float64)
+    with ckptfmt.open_writer(url, profile="weights", rank=1) as w:
+        for r in (0, 2):
+            for c in (0, 3):
+                w.write_tensor("weights", "w", full[r : r + 2, c : c + 3], global_shape=(4, 6), offsets=(r, c))
+        w.write_tensor("weights", "b", rng.integers(0, 1 << 15, 6).astype(np.uint16))
+        w.write_context("provenance", PROVENANCE)
+
+
+CHECKPOINTS = {"training": _training, "weights": _weights}
+
+
+def write_version(version: str) -> None:
+    if version != ckptfmt.FORMAT_VERSION:
+        raise SystemExit(f"this writer writes {ckptfmt.FORMAT_VERSION}, not {version}")
+    target = GOLDEN / version
+    if target.exists():
+        raise SystemExit(f"{target} exists: golden checkpoints are written once, never rewritten")
+    target.mkdir(parents=True)
+    for name, write in CHECKPOINTS.items():
+        write(str(target / name))
+        doc = expected_of(str(target / name))
+        (target / f"{name}.expected.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_version(sys.argv[1])
