@@ -339,3 +339,45 @@ def test_scan_pickle_reads_plain_values_and_keeps_calls_opaque() -> None:
         assert scan_pickle(pickle.dumps(value, protocol=protocol), "mem") == {**value, "t": (1, (2,))}
     opaque = scan_pickle(pickle.dumps(_Payload("m")), "mem")
     assert type(opaque).__name__ == "_Opaque" and opaque.name.endswith("system")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_sharded_weights(run: Path, tmp_path: Path, kind: str) -> None:
+    import json
+
+    src = tmp_path / "src"
+    shutil.copytree(run / "checkpoint-3", src)
+    weights = safetensors.torch.load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = sorted(weights)
+    halves = {f"model-0000{i + 1}-of-00002.{kind}": names[i::2] for i in range(2)}
+    if kind == "bin":
+        halves = {k.replace("model-", "pytorch_model-"): v for k, v in halves.items()}
+    for shard, members in halves.items():
+        part = {n: weights[n].contiguous() for n in members}
+        if kind == "bin":
+            torch.save(part, src / shard)
+        else:
+            safetensors.torch.save_file(part, src / shard)
+    index = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
+    weight_map = {n: shard for shard, members in halves.items() for n in members}
+    (src / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
+    with ckptfmt.open(tmp_path / "ours") as ckpt:
+        assert set(ckpt.tensor_names("weights")) == set(weights)
+        for name, tensor in weights.items():
+            assert np.array_equal(ckpt.read_tensor("weights", name), tensor.numpy())
+        source = ckpt.read_context("provenance")["converted_from"]["fields"]["weights"]["file"]
+        assert source == (", ".join(sorted(halves)) if kind == "safetensors" else index)
+
+
+def test_a_bin_index_naming_a_file_outside_is_refused(run: Path, tmp_path: Path) -> None:
+    import json
+
+    src = tmp_path / "src"
+    shutil.copytree(run / "checkpoint-3", src)
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"w": "../../etc/passwd.bin"}}))
+    with pytest.raises(ckptfmt.SourceFormatError, match=r"not a \.bin file here") as info:
+        convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
+    assert info.value.path is not None and info.value.path.endswith("pytorch_model.bin.index.json")
