@@ -220,3 +220,28 @@ def test_rank_and_world_size_default_to_the_process_group(monkeypatch: pytest.Mo
     loader = ResumableDataLoader(Indices(), batch_size=4, seed=7)
     assert (loader.rank, loader.world_size) == (2, 3)
     assert ResumableSampler(N, rank=0).rank == 0  # explicit values win
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_drop_last_tail_ends_the_epoch(workers: int) -> None:
+    """DataLoader(drop_last=True) over a ResumableSampler: the tail smaller than a batch is dropped and the
+    next loop starts the next epoch (it used to yield nothing, forever); a resume between keeps the order."""
+
+    def loop(sampler: ResumableSampler, batches: int) -> list[list[int]]:
+        loader = DataLoader(Indices(), batch_size=10, sampler=sampler, drop_last=True, num_workers=workers)  # type: ignore[arg-type]
+        out: list[list[int]] = []
+        while len(out) < batches:
+            for batch in loader:
+                out.append(batch.tolist())
+                sampler.advance(len(batch))
+                if len(out) == batches:
+                    break
+        return out
+
+    reference = loop(ResumableSampler(N, seed=2), 27)  # 96 samples, 9 batches an epoch: three epochs
+    assert [len(set(i for b in reference[e * 9 : e * 9 + 9] for i in b)) for e in range(3)] == [90, 90, 90]
+    first = ResumableSampler(N, seed=2)
+    head = loop(first, 9)  # the epoch's last full batch: its 6-sample tail is still ahead
+    resumed = ResumableSampler(N, seed=2)
+    resumed.load_state_dict(first.state_dict())
+    assert head + loop(resumed, 18) == reference

@@ -110,6 +110,7 @@ class ResumableSampler:
         # Shards a quarantine added after the plan in flight was made still appear in it; a resume into
         # that plan must leave out only what it left out (see state_dict's "plan_quarantined").
         self._next_plan_quarantined: set[str] | None = None
+        self._spent: tuple[Plan, int] | None = None  # a plan handed out to its end, and the moves count then
         self._live: weakref.ReferenceType[Generator[int, None, None]] | None = None
         self._perm_epoch = -1
         self._perm: np.ndarray[Any, Any] = np.empty(0, np.int64)
@@ -152,6 +153,12 @@ class ResumableSampler:
                 "sampler per loop (e.g. a separate one for evaluation), or finish or delete the first iterator "
                 "before starting another"
             )
+        previous = self.plan
+        if previous is not None and previous.epoch == self.epoch and self._spent == (previous, self.moves):
+            # The last iterator of this epoch handed out all it had and nothing was consumed since: what is
+            # left is a tail its consumer drops (DataLoader(drop_last=True)), so this is the next epoch, not
+            # an empty one forever.
+            self.next_epoch()
         quarantined = self.quarantined if self._next_plan_quarantined is None else self._next_plan_quarantined
         self._next_plan_quarantined = None
         positions = self._remaining_positions(quarantined)
@@ -164,14 +171,15 @@ class ResumableSampler:
             quarantined=frozenset(quarantined),
         )
         mine = self._permutation()[positions[self.rank : usable : self.world_size]].tolist()
-        gen = self._hand_out(mine)
+        gen = self._hand_out(mine, self.plan)
         self._live = weakref.ref(gen)
         return gen
 
-    def _hand_out(self, indices: list[int]) -> Generator[int, None, None]:
+    def _hand_out(self, indices: list[int], plan: Plan) -> Generator[int, None, None]:
         for index in indices:
             self.handed_out += 1
             yield index
+        self._spent = (plan, self.moves)
 
     @property
     def live(self) -> bool:
