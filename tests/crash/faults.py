@@ -79,7 +79,7 @@ def failing_os(name: str, injector: Injector) -> Iterator[Injector]:
 
 @contextmanager
 def failing_http(injector: Injector) -> Iterator[Injector]:
-    from aiobotocore.endpoint import AioEndpoint
+    from aiobotocore.endpoint import AioEndpoint  # type: ignore[import-untyped]
 
     real = AioEndpoint._send
 
@@ -87,11 +87,11 @@ def failing_http(injector: Injector) -> Iterator[Injector]:
         injector.tick()
         return await real(self, request)
 
-    AioEndpoint._send = failing  # type: ignore[method-assign]
+    AioEndpoint._send = failing
     try:
         yield injector
     finally:
-        AioEndpoint._send = real  # type: ignore[method-assign]
+        AioEndpoint._send = real
 
 
 def eio() -> OSError:
@@ -103,9 +103,10 @@ def enospc() -> OSError:
 
 
 def connection_error() -> Exception:
-    from botocore.exceptions import EndpointConnectionError
+    from botocore.exceptions import EndpointConnectionError  # type: ignore[import-untyped]
 
-    return EndpointConnectionError(endpoint_url="http://127.0.0.1 (injected)")
+    error: Exception = EndpointConnectionError(endpoint_url="http://127.0.0.1 (injected)")
+    return error
 
 
 def gc_cli(run_url: str, options: Mapping[str, Any] | None = None) -> None:

@@ -75,7 +75,7 @@ def traced_os(counter: Counter, names: tuple[str, ...] = TRACED_OS) -> Iterator[
 @contextmanager
 def traced_http(counter: Counter) -> Iterator[Counter]:
     """Route every HTTP request s3fs (aiobotocore) sends through ``counter.tick``."""
-    from aiobotocore.endpoint import AioEndpoint
+    from aiobotocore.endpoint import AioEndpoint  # type: ignore[import-untyped]
 
     real = AioEndpoint._send
 
@@ -83,11 +83,11 @@ def traced_http(counter: Counter) -> Iterator[Counter]:
         counter.tick(f"{request.method} {request.url.split('?')[0].rsplit('/', 1)[-1]}")
         return await real(self, request)
 
-    AioEndpoint._send = traced  # type: ignore[method-assign]
+    AioEndpoint._send = traced
     try:
         yield counter
     finally:
-        AioEndpoint._send = real  # type: ignore[method-assign]
+        AioEndpoint._send = real
 
 
 def fork(work: Callable[[], None], *, setup: Callable[[], None] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from unittest import mock
 
 import torch
@@ -23,7 +24,7 @@ STEPS = (1, 2, 3)
 CONFIG = {"lr": 0.1, "model": "linear-4-3"}
 
 
-def _no_git() -> mock._patch[object]:
+def _no_git() -> AbstractContextManager[object]:
     # The manager asks git for the code's commit; in a tree others commit to, that changes between save and
     # restore (a resume mismatch), and each lookup costs a subprocess. Neither is what is tested here.
     return mock.patch.object(provenance, "git_state", return_value=None)
