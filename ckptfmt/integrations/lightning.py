@@ -12,7 +12,8 @@ checkpoint *directory* of that name: ``state_dict`` as ``weights``, ``optimizer_
 used (``rng``, restored on load unless ``restore_rng=False``), the topology and provenance.
 
 Loading reads and verifies every byte before returning, so a corrupt checkpoint fails before
-Lightning touches the model. Works with ``pytorch_lightning`` or ``lightning.pytorch``.
+Lightning touches the model. Subclasses the ``CheckpointIO`` of ``pytorch_lightning`` (tested), or of
+``lightning.pytorch`` when only that is installed.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any
 from .. import provenance as prov
 from ..convert.lightning import split_checkpoint, to_checkpoint
 
-try:  # the unified package first, else the standalone one; both share lightning_fabric's base class
-    from lightning.fabric.plugins import CheckpointIO
-except ImportError:
+try:  # pytorch_lightning's base class (the package the tests pin), else the unified lightning package's
     from lightning_fabric.plugins import CheckpointIO
+except ImportError:
+    from lightning.fabric.plugins import CheckpointIO
 
 
 class CkptfmtCheckpointIO(CheckpointIO):  # type: ignore[misc]
