@@ -96,6 +96,7 @@ def test_import_fills_the_training_profile_and_says_what_is_missing(run: Path, t
             for key, value in state.items():
                 assert np.array_equal(ckpt.read_tensor("optimizer", f"state.{pid}.{key}"), value.numpy())
         assert ckpt.read_context("optimizer")["param_groups"][0]["lr"] == osd["param_groups"][0]["lr"]
+        assert ckpt.read_context("optimizer")["class"] == "AdamW"  # from training_args.optim
         generators = ckpt.read_context("rng")["generators"]
         assert {g["kind"] for g in generators.values()} == {"python.random", "numpy.random_state", "torch.cpu"}
         data = ckpt.read_context("data")

@@ -73,6 +73,8 @@ PT_WEIGHTS = "pytorch_model.bin"
 PT_INDEX = "pytorch_model.bin.index.json"
 MAX_JSON_BYTES = 64 << 20  # a trainer_state.json with a long log history stays far below this
 _RANK_RNG = re.compile(r"rng_state_(\d+)\.pth")
+# TrainingArguments.optim values of torch's own optimizers (the part before "_": adamw_torch_fused -> adamw)
+_OPTIM_CLASSES = {"adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 TORCH_CPU = "torch.cpu"
 TORCH_CUDA = "torch.cuda"
 
@@ -599,6 +601,9 @@ def import_hf_trainer(
             training_args = read_training_args(loc.join(TRAINING_ARGS))
         except SourceFormatError as exc:  # unreadable without running it: left alone, and said so
             skipped.append(f"{TRAINING_ARGS}: {exc.message}; never unpickled")
+    optim = training_args.get("optim")
+    if opt_context and isinstance(optim, str) and _OPTIM_CLASSES.get(optim.split("_")[0]):
+        opt_context["class"] = _OPTIM_CLASSES[optim.split("_")[0]]  # as ckptfmt.torch records it, for its load
     accumulation = training_args.get("gradient_accumulation_steps")
     micro = accumulation if type(accumulation) is int and accumulation > 0 else 1
     data: dict[str, object] = {
