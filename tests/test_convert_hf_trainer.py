@@ -382,3 +382,28 @@ def test_a_bin_index_naming_a_file_outside_is_refused(run: Path, tmp_path: Path)
     with pytest.raises(ckptfmt.SourceFormatError, match=r"not a \.bin file here") as info:
         convert(str(src), str(tmp_path / "ours"), to="ckptfmt")
     assert info.value.path is not None and info.value.path.endswith("pytorch_model.bin.index.json")
+
+
+def test_import_and_export_through_fsspec(run: Path, tmp_path: Path) -> None:
+    """A remote source and destination (fsspec's memory filesystem: no mmap, ranged reads, pipe_file writes)."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"/hf-trainer-{uuid.uuid4().hex}"
+    for f in (run / "checkpoint-3").iterdir():
+        fs.pipe_file(f"{root}/src/{f.name}", f.read_bytes())
+    try:
+        convert(f"memory://{root}/src", f"memory://{root}/ours", to="ckptfmt")
+        convert(f"memory://{root}/ours", f"memory://{root}/back", to="hf-trainer")
+        for name in ("optimizer.pt", "model.safetensors", "rng_state.pth", "scheduler.pt"):
+            (tmp_path / name).write_bytes(fs.cat_file(f"{root}/back/{name}"))
+        original = torch.load(run / "checkpoint-3" / "optimizer.pt", weights_only=True)["state"]
+        again = torch.load(tmp_path / "optimizer.pt", weights_only=True)["state"]
+        assert all(torch.equal(again[p][k], v) for p, entries in original.items() for k, v in entries.items())
+        weights = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        expected = safetensors.torch.load_file(run / "checkpoint-3" / "model.safetensors")
+        assert all(torch.equal(weights[k], v) for k, v in expected.items())
+    finally:
+        fs.rm(root, recursive=True)
