@@ -223,3 +223,39 @@ def test_server_killed_mid_upload_then_restarted(small_parts: None) -> None:
             assert ckpt.id == ckpt_id and ckpt.verify().ok
     finally:
         server.kill()
+
+
+def test_lost_create_race_is_read_from_the_status_code_not_the_message() -> None:
+    """A 412 PreconditionFailed anywhere in the cause chain is a lost race; "412" in a message is not."""
+    from botocore.exceptions import ClientError
+
+    def client_error(code: str, status: int) -> ClientError:
+        response: Any = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return ClientError(response, "PutObject")
+
+    def wrapped(inner: BaseException) -> OSError:
+        try:
+            raise inner
+        except BaseException as exc:
+            try:
+                raise OSError("upload failed") from exc
+            except OSError as outer:
+                return outer
+
+    assert remote.lost_create_race(wrapped(client_error("PreconditionFailed", 412)))
+    assert remote.lost_create_race(wrapped(client_error("SomethingElse", 412)))
+    assert remote.lost_create_race(FileExistsError("exists"))
+    assert not remote.lost_create_race(wrapped(client_error("SlowDown", 503)))
+    assert not remote.lost_create_race(OSError("timeout after 412 ms to bucket-412"))
+
+
+def test_read_is_bounded_on_object_stores(moto: MotoServer, bucket: str) -> None:
+    from ckptfmt.errors import SizeMismatchError
+
+    store = open_store(f"s3://{bucket}/bounded", moto.storage_options())
+    store.put_exclusive("doc.json", b"x" * 100)
+    store.put_exclusive("empty", b"")
+    assert store.read("doc.json", max_size=100) == b"x" * 100
+    assert store.read("empty", max_size=0) == b""
+    with pytest.raises(SizeMismatchError, match="more than the 99"):
+        store.read("doc.json", max_size=99)
