@@ -17,7 +17,7 @@ from crash import corruption, full, size
 def small(tmp_path_factory: pytest.TempPathFactory) -> corruption.CorruptionFigures:
     root = tmp_path_factory.mktemp("corrupt-small")
     corruption.write_small(str(root / "original"))
-    return corruption.corrupt(str(root / "original"), root, "small", sample=None if full() else 250, seed=1)
+    return corruption.corrupt(str(root / "original"), root, "small", sample=None if full() else 200, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ def test_kill_points_of_a_local_save(tmp_path: Path) -> None:
 
 
 def test_random_kills_of_a_local_save(tmp_path: Path) -> None:
-    trials = size(60, 1000)
+    trials = size(40, 1000)
     figures = consistency.random_kills(_local(tmp_path), trials, seed=1)
     _held(figures, expect_trials=trials)
     assert figures.killed > 0
@@ -99,6 +99,6 @@ def test_checkpoint_manager_restores_newest_good_after_random_kills(tmp_path: Pa
     from crash import manager
 
     url: Callable[[int], str] = lambda i: str(tmp_path / f"mgr{i}")  # noqa: E731
-    trials = size(4, 200)
+    trials = size(3, 200)
     figures = manager.random_kills(url, trials, seed=5)
     _held(figures, expect_trials=trials)
