@@ -102,3 +102,34 @@ def test_checkpoint_manager_restores_newest_good_after_random_kills(tmp_path: Pa
     trials = size(3, 200)
     figures = manager.random_kills(url, trials, seed=5)
     _held(figures, expect_trials=trials)
+
+
+def test_negative_control_a_writer_publishing_the_manifest_first_is_caught(tmp_path: Path) -> None:
+    """The oracle can fail: copying a finished checkpoint manifest-first, killed midway, is loadable but wrong."""
+    import shutil
+
+    from crash import killing, payload
+
+    source = tmp_path / "source"
+    payload.write(str(source), 1)
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name != "manifest.json")  # the manifest first: the bug
+
+    def copy_manifest_first(dest: Path) -> Callable[[], None]:
+        def work() -> None:
+            for rel in files:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source / rel, dest / rel)
+                killing.Counter.tick(counter, "copy")
+
+        return work
+
+    wrong = 0
+    for n in range(2, len(files) + 1):
+        counter = killing.Counter(kill_at=n)
+        dest = tmp_path / f"copy{n}"
+        exit_ = killing.reap(killing.fork(copy_manifest_first(dest)))
+        assert exit_.killed
+        wrong += payload.judge(str(dest), 1).outcome == "wrong"
+    # killed after copying n files: for n < len(files), the manifest is there and a file is missing
+    assert wrong == len(files) - 2
