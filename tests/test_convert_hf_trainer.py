@@ -268,9 +268,11 @@ def test_export_refuses_to_overwrite(run: Path, tmp_path: Path) -> None:
     assert run_cli("convert", ours, str(exported), "--to", "hf-trainer", "--overwrite").exit_code == 0
 
 
-def test_export_from_a_ckptfmt_torch_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("by_name", [False, True])
+def test_export_from_a_ckptfmt_torch_checkpoint(tmp_path: Path, by_name: bool) -> None:
     """A checkpoint written by ckptfmt.torch (not imported) exports with a trainer_state.json made from its step."""
-    from ckptfmt.torch import save
+    from ckptfmt.torch import capture
+    from ckptfmt.torch.state import write_snapshot
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -283,7 +285,12 @@ def test_export_from_a_ckptfmt_torch_checkpoint(tmp_path: Path) -> None:
             return {"epoch": 0, "global_sample_offset": 12}
 
     url = str(tmp_path / "ours")
-    save(url, step=7, model=model, optimizer=optimizer, sampler=Sampler(), config={"lr": 1e-3})
+    snap = capture(
+        step=7, model=model, optimizer=optimizer, sampler=Sampler(), config={"lr": 1e-3}, optimizer_by_name=by_name
+    )
+    write_snapshot(ckptfmt.open_writer(url), snap)  # commits
+    with ckptfmt.open(url) as ckpt:  # ckptfmt.torch names optimizer state by parameter or by index
+        assert ("weight/exp_avg" in ckpt.tensor_names("optimizer")) is by_name
     result = convert(url, str(tmp_path / "hf"), to="hf-trainer")
     assert any("made from the checkpoint's step 7" in n for n in result.notes)
     import json
@@ -293,6 +300,9 @@ def test_export_from_a_ckptfmt_torch_checkpoint(tmp_path: Path) -> None:
     for pid, entries in optimizer.state_dict()["state"].items():
         for key, value in entries.items():
             assert torch.equal(loaded["state"][pid][key], value)
+    again = torch.optim.AdamW(model.parameters())
+    again.load_state_dict(loaded)  # the index-keyed state dict the Trainer loads
+    assert again.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
 
 
 @pytest.mark.parametrize(

@@ -132,20 +132,41 @@ def split_optimizer(state: object, url: str) -> tuple[dict[str, Any], dict[str, 
 
 
 def join_optimizer(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`split_optimizer`: a state dict ``optimizer.load_state_dict`` takes."""
+    """The inverse of :func:`split_optimizer`: a state dict ``optimizer.load_state_dict`` takes.
+
+    Also takes :mod:`ckptfmt.torch`'s state keyed by parameter name (``keys: fqn``, tensors
+    ``<param>/<key>``): parameters are numbered in param-group order, as ``Optimizer.state_dict`` does.
+    """
     from .torch_bridge import to_torch
 
-    state: dict[int, dict[str, Any]] = {}
-    for name, array in tensors.items():
-        _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = to_torch(array, _dtype(array)).clone()
-    for pid, entries in dict(context.get("scalars") or {}).items():
-        state.setdefault(int(pid), {}).update(torchify(entries))
     groups = [
         {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in g.items()}
         for g in context.get("param_groups") or []
     ]
-    return {"state": state, "param_groups": groups, **dict(context.get("extra") or {})}
+    by_name = context.get("keys") == "fqn"
+    index: dict[str, int] = {}
+    if by_name:
+        index = {str(p): i for i, p in enumerate(p for g in groups for p in g.get("params", []))}
+        groups = [{**g, "params": [index[str(p)] for p in g.get("params", [])]} for g in groups]
+
+    def pid_of(name: str) -> int:
+        if not by_name:
+            return int(name)
+        if name not in index:
+            raise UsageError(f"optimizer state for parameter {name!r}, which no param group lists")
+        return index[name]
+
+    state: dict[int, dict[str, Any]] = {}
+    for name, array in tensors.items():
+        if by_name:
+            param, _, key = name.rpartition("/")
+        else:
+            _, param, key = name.split(".", 2)
+        state.setdefault(pid_of(param), {})[key] = to_torch(array, _dtype(array)).clone()
+    for param, entries in dict(context.get("scalars") or {}).items():
+        state.setdefault(pid_of(str(param)), {}).update(torchify(entries))
+    extra = {k: v for k, v in dict(context.get("extra") or {}).items() if k not in ("state", "param_groups")}
+    return {"state": state, "param_groups": groups, **extra}
 
 
 def _dtype(array: np.ndarray[Any, Any]) -> str:
