@@ -61,7 +61,7 @@ class CkptfmtCheckpointIO(CheckpointIO):  # type: ignore[misc]
         from ..torch.state import config_field
 
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            return  # one writer: Lightning's unsharded strategies gather the full state on rank 0
+            return  # one writer: Lightning's unsharded strategies gather the full state on rank 0 (its RNG only)
         url = os.fspath(path)
         fields = split_checkpoint(checkpoint, url)
         contexts = dict(fields.contexts)
@@ -82,7 +82,7 @@ class CkptfmtCheckpointIO(CheckpointIO):  # type: ignore[misc]
             extra_tensors={"lightning_tensors": fields.extra_tensors},
             result=result,
             progress=NoProgress(),
-            storage_options={**self.storage_options, **dict(storage_options or {})},
+            storage_options={**self.storage_options, **(storage_options if isinstance(storage_options, Mapping) else {})},
             overwrite=True,  # Lightning overwrites a path it saves to again (last.ckpt)
             target_file_size=None,
         )
