@@ -74,6 +74,7 @@ class CkptfmtCheckpointIO(CheckpointIO):  # type: ignore[misc]
         provenance["lightning"] = {"missing": {k: v for k, v in fields.missing.items() if k != "config"}}
         contexts["provenance"] = provenance
         result = ConvertResult(source="", source_format="lightning", destination=url, destination_format="ckptfmt")
+        extra_options = storage_options if isinstance(storage_options, Mapping) else {}
         write_training(
             url,
             weights=fields.weights,
@@ -82,7 +83,7 @@ class CkptfmtCheckpointIO(CheckpointIO):  # type: ignore[misc]
             extra_tensors={"lightning_tensors": fields.extra_tensors},
             result=result,
             progress=NoProgress(),
-            storage_options={**self.storage_options, **(storage_options if isinstance(storage_options, Mapping) else {})},
+            storage_options={**self.storage_options, **extra_options},
             overwrite=True,  # Lightning overwrites a path it saves to again (last.ckpt)
             target_file_size=None,
         )
