@@ -36,6 +36,17 @@ class Restored:
     mismatches: tuple[str, ...]
 
 
+def _collective(process_group: Any = None) -> Any:
+    """A :class:`~ckptfmt.torch.collective.TorchCollective` when several ranks save together, else None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return None
+    from .collective import TorchCollective
+
+    return TorchCollective(process_group)
+
+
 def data_source(*, sampler: Any = None, loader: Any = None) -> Any:
     """The one object that holds the data position: ``loader`` or ``sampler`` (both is an error)."""
     if sampler is not None and loader is not None:
@@ -78,6 +89,7 @@ def capture(
     defer: bool = False,
     data_policy: Policy = "strict",
     steps_passed: bool = True,
+    optimizer_by_name: bool = False,
 ) -> Snapshot:
     """Snapshot all seven fields (plus scheduler, scaler and extras) into host memory.
 
@@ -87,6 +99,7 @@ def capture(
     advanced while ``steps_passed``; a loader whose sampler cannot report its position) is refused under
     ``data_policy="strict"``, warned about under ``"warn"``.
     ``code``: the training code's git state if already known (see :func:`ckptfmt.provenance.capture`).
+    ``optimizer_by_name``: key optimizer state by parameter name (what a sharded, multi-rank save needs).
     """
     source = data_source(sampler=sampler, loader=loader)
     if source is None:
@@ -97,7 +110,7 @@ def capture(
     data = loader_mod.data_field(source, policy=data_policy, steps_passed=steps_passed)
     snap = Snapshot()
     state.capture_model(model, snap, buffers, defer=defer)
-    state.capture_optimizer(optimizer, snap, buffers, defer=defer)
+    state.capture_optimizer(optimizer, snap, buffers, defer=defer, model=model if optimizer_by_name else None)
     snap.contexts["rng"] = rng.capture(generators)
     snap.contexts["data"] = data
     snap.contexts["config"] = state.config_field(config)
@@ -125,14 +138,29 @@ def save(
     loader: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    process_group: Any = None,
     **kwargs: Any,
 ) -> str:
     """Write the full training state to ``url`` as one committed checkpoint; returns its id.
 
-    ``loader=`` (or ``sampler=``) gives the data position; see :func:`capture`.
+    ``loader=`` (or ``sampler=``) gives the data position; see :func:`capture`. Once ``torch.distributed``
+    is initialized with more than one rank (in ``process_group``, default the whole world), every rank
+    calls this together: each writes its own shards, optimizer state is keyed by parameter name, and the
+    commit is collective.
     """
-    snap = capture(step=step, model=model, optimizer=optimizer, sampler=sampler, loader=loader, config=config, **kwargs)
-    writer = CheckpointWriter(open_store(url, storage_options), profile="training", overwrite=overwrite)
+    collective = _collective(process_group)
+    snap = capture(
+        step=step,
+        model=model,
+        optimizer=optimizer,
+        sampler=sampler,
+        loader=loader,
+        config=config,
+        optimizer_by_name=collective is not None,
+        **kwargs,
+    )
+    store = open_store(url, storage_options)
+    writer = CheckpointWriter(store, profile="training", overwrite=overwrite, collective=collective)
     try:
         return state.write_snapshot(writer, snap)
     except BaseException:
