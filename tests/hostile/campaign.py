@@ -57,6 +57,7 @@ class Stats:
     errors: int = 0
     violations: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the harness's own work included: what the target costs a dedicated core
     signatures: dict[str, int] = field(default_factory=dict)
     samples: list[Violation] = field(default_factory=list)
 
@@ -83,6 +84,7 @@ class Stats:
             "library_errors": self.errors,
             "violations": self.violations,
             "seconds": round(self.seconds, 2),
+            "cpu_seconds": round(self.cpu_seconds, 2),
             "violation_kinds": self.signatures,
             "samples": [v.to_dict() for v in self.samples],
         }
@@ -132,8 +134,10 @@ class Campaign:
     def step(self, target: Target) -> Outcome:
         example = self._next[target.name]
         self._next[target.name] += 1
+        cpu = time.process_time()
         case = make_case(target, self.seed, example)
         outcome = run_case(target, case, self.box(target), example)
+        self.stats[target.name].cpu_seconds += time.process_time() - cpu
         violation = Violation(target.name, self.seed, example, outcome, case) if outcome.status == "violation" else None
         self.stats[target.name].add(outcome, violation)
         return outcome
@@ -173,9 +177,14 @@ class Campaign:
         }
 
     def table(self) -> str:
-        lines = [f"{'target':24} {'examples':>9} {'ok':>7} {'errors':>8} {'violations':>10} {'seconds':>8}"]
+        lines = [
+            f"{'target':24} {'examples':>9} {'ok':>7} {'errors':>8} {'violations':>10} {'seconds':>8} {'cpu s':>7}"
+        ]
         for s in self.stats.values():
-            lines.append(f"{s.target:24} {s.examples:9d} {s.ok:7d} {s.errors:8d} {s.violations:10d} {s.seconds:8.1f}")
+            lines.append(
+                f"{s.target:24} {s.examples:9d} {s.ok:7d} {s.errors:8d} {s.violations:10d} {s.seconds:8.1f} "
+                f"{s.cpu_seconds:7.1f}"
+            )
         total = sum(s.examples for s in self.stats.values())
         lines.append(f"{'total':24} {total:9d}   (seed {self.seed})")
         return "\n".join(lines)
