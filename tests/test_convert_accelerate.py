@@ -72,6 +72,8 @@ def test_two_models_two_optimizers(tmp_path: Path) -> None:
         sources = ckpt.read_context("provenance")["converted_from"]["fields"]
         assert sources["weights"]["file"] == "model.safetensors, pytorch_model_1.bin"
         assert sources["optimizer"]["file"] == "optimizer.bin, optimizer_1.bin"
+    assert run_cli("verify", out).exit_code == 0
+    assert "random_states_0.pkl" in run_cli("inspect", out).stdout  # where the rng field came from
     back = tmp_path / "back"
     convert(out, str(back), to="accelerate")
     assert set(os.listdir(back)) == {

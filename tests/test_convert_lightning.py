@@ -90,6 +90,8 @@ def test_import(ckpt_file: Path, tmp_path: Path) -> None:
         assert sources["weights"] == {"file": ckpt_file.name, "key": "state_dict"}
         assert sources["optimizer"]["key"] == "optimizer_states"
         assert ckpt.read_context("provenance")["step"] == 8
+    assert run_cli("verify", out).exit_code == 0
+    assert "optimizer_states" in run_cli("inspect", out).stdout  # where the optimizer field came from
 
 
 def _same(a: Any, b: Any) -> bool:
