@@ -1,14 +1,16 @@
-"""CkptfmtCallback end to end on CPU: train a tiny Trainer, kill it, resume from the ckptfmt copy alone,
-and end bit-identical to the uninterrupted run."""
+"""CkptfmtCallback end to end on CPU: train a tiny Trainer, SIGKILL it in a process of its own, resume from the
+ckptfmt copy alone, and end bit-identical to the uninterrupted run."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 import ckptfmt
@@ -35,14 +37,28 @@ class Killed(Exception):
 
 
 class KillAt(transformers.TrainerCallback):  # type: ignore[misc]
-    """Dies at the start of a step, as a preempted job would (after the last save, before the next)."""
+    """Dies at the start of a step (after the last save, before the next): SIGKILL, or an exception."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, *, hard: bool = False) -> None:
         self.step = step
+        self.hard = hard
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.step:
+            if self.hard:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise Killed(f"killed at step {self.step}")
+
+
+# the killed run, in a process of its own: this module loaded by path, a Trainer SIGKILLed at step 4
+KILLED_RUN = """
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("hf_case", sys.argv[1])
+case = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(case)
+case.trainer(Path(sys.argv[2]), [case.CkptfmtCallback(sys.argv[3]), case.KillAt(4, hard=True)]).train()
+"""
 
 
 def trainer(out: Path, callbacks: list[Any], seed: int = 0) -> Any:
@@ -71,16 +87,23 @@ def test_kill_and_resume_from_ckptfmt_is_bit_identical(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path / "full-ckpt")) == ["checkpoint-3", "checkpoint-6"]
     assert not (tmp_path / "full" / "checkpoint-3").exists()  # keep_hf_checkpoint=False
 
-    callback = CkptfmtCallback(tmp_path / "ckpt")
-    with pytest.raises(Killed):
-        trainer(tmp_path / "run", [callback, KillAt(4)]).train()
-    assert callback.written == [str(tmp_path / "ckpt" / "checkpoint-3")]
+    ckpt_root = tmp_path / "ckpt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, __file__, str(tmp_path / "run"), str(ckpt_root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert sorted(os.listdir(ckpt_root)) == ["checkpoint-3"]
     shutil.rmtree(tmp_path / "run")  # the Trainer's own checkpoints are gone: only ckptfmt is left
-    report = ckptfmt.verify(callback.written[0])
+    report = ckptfmt.verify(ckpt_root / "checkpoint-3")
     assert report.ok, report
 
     resumed = trainer(tmp_path / "resumed", [], seed=1)
-    resumed.train(resume_from_checkpoint=prepare_resume(callback.written[0], tmp_path / "resume-dir"))
+    resumed.train(resume_from_checkpoint=prepare_resume(ckpt_root / "checkpoint-3", tmp_path / "resume-dir"))
     assert resumed.state.global_step == STEPS
     expected = full.model.state_dict()
     for name, tensor in resumed.model.state_dict().items():
