@@ -96,7 +96,7 @@ def main(argv: Sequence[str]) -> int:
             jitter = 1 + 1e-3 * (random.random() + np.random.rand() + torch.rand(()).item())  # global RNGs in the loop
             loss = F.mse_loss(model(xb), yb) * jitter
             (loss / args.accum).backward()
-            micro.append(float(loss).hex())
+            micro.append(float(loss.detach()).hex())
             if sampler is not None and args.loader == "plain-no-generator":
                 sampler.advance(len(xb))
             if len(micro) < args.accum:
