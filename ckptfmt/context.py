@@ -76,18 +76,23 @@ def encode(value: Mapping[str, object], *, where: str = "context") -> bytes:
 def _decode_ndarray(payload: bytes) -> np.ndarray[Any, Any]:
     parts = msgpack.unpackb(payload, raw=False, use_list=True)
     if not (isinstance(parts, list) and len(parts) == 3):
-        raise ValueError("ndarray extension must hold [dtype, shape, data]")
+        raise _bad("ndarray extension must hold [dtype, shape, data]", "CTX-12")
     name, shape, data = parts
     if not isinstance(name, str) or not isinstance(data, bytes) or not isinstance(shape, list):
-        raise ValueError("ndarray extension must hold [str dtype, shape array, bin data]")
+        raise _bad("ndarray extension must hold [str dtype, shape array, bin data]", "CTX-12")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ValueError("ndarray shape must be non-negative integers")
+        raise _bad("ndarray shape must be non-negative integers", "CTX-12")
+    if name not in dtypes.ITEMSIZE:
+        raise _bad(f"ndarray dtype {name!r} is not in the dtype table", "CTX-12")
     dtype = dtypes.to_numpy(name)
+    problem = dtypes.shape_size_problem(shape, dtype.itemsize)
+    if problem:
+        raise _bad(f"ndarray {problem}", "CTX-12")
     count = 1
     for d in shape:
         count *= d
     if count * dtype.itemsize != len(data):
-        raise ValueError(f"ndarray of {name}{shape} needs {count * dtype.itemsize} bytes, has {len(data)}")
+        raise _bad(f"ndarray of {name}{shape} needs {count * dtype.itemsize} bytes, has {len(data)}", "CTX-12")
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
@@ -95,28 +100,28 @@ def _ext_hook(code: int, payload: bytes) -> object:
     if code == EXT_BIGINT:
         value = int.from_bytes(payload, "big", signed=True)
         if not payload or payload != _bigint_payload(value):
-            raise ValueError("bigint extension payload is not minimal-length two's complement")
+            raise _bad("bigint extension payload is not minimal-length two's complement", "CTX-11")
         if _INT_MIN <= value <= _INT_MAX:
-            raise ValueError("bigint extension holds a value that fits a msgpack int")
+            raise _bad("bigint extension holds a value that fits a msgpack int", "CTX-11")
         return value
     if code == EXT_NDARRAY:
         return _decode_ndarray(payload)
-    raise ValueError(f"unknown msgpack extension type {code}")
+    raise _bad(f"unknown msgpack extension type {code}", "CTX-3")
 
 
 def _reject_timestamp(value: object) -> None:
     # msgpack decodes extension type -1 (timestamp) itself, never calling ext_hook
     if isinstance(value, msgpack.Timestamp):
-        raise ValueError("unknown msgpack extension type -1 (timestamp)")
+        raise _bad("unknown msgpack extension type -1 (timestamp)", "CTX-3")
 
 
 def _pairs_hook(pairs: list[tuple[object, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in pairs:
         if not isinstance(key, str):
-            raise ValueError(f"map key {key!r} is not a string")
+            raise _bad(f"map key of type {type(key).__name__} is not a string", "CTX-5")
         if key in out:
-            raise ValueError(f"duplicate map key {key!r}")
+            raise _bad(f"duplicate map key {key!r}", "CTX-6")
         _reject_timestamp(value)
         out[key] = value
     return out
@@ -154,11 +159,36 @@ def decode(data: bytes, *, path: str | None = None, field: str | None = None) ->
             ext_hook=_ext_hook,
         )
     except CheckpointError as exc:
-        raise ContextError(f"invalid msgpack: {exc.message}", path=path, field=field) from exc
+        raise ContextError(
+            f"invalid msgpack: {exc.message}", path=path, field=field, requirement=exc.requirement
+        ) from exc
     except Exception as exc:  # msgpack raises ExtraData, FormatError, StackError, ValueError, ...
-        raise ContextError(f"invalid msgpack: {type(exc).__name__}: {exc}", path=path, field=field) from exc
+        message, requirement = _explain(exc)
+        raise ContextError(f"invalid msgpack: {message}", path=path, field=field, requirement=requirement) from exc
     if not isinstance(value, dict):
-        raise ContextError(f"top level must be a map, got {type(value).__name__}", path=path, field=field)
+        raise ContextError(
+            f"top level must be a map, got {type(value).__name__}", path=path, field=field, requirement="CTX-1"
+        )
     if _depth(value) > MAX_DEPTH:
-        raise ContextError(f"nesting deeper than {MAX_DEPTH}", path=path, field=field)
+        raise ContextError(f"nesting deeper than {MAX_DEPTH}", path=path, field=field, requirement="CTX-7")
     return value
+
+
+def _bad(message: str, requirement: str) -> ContextError:
+    return ContextError(message, requirement=requirement)
+
+
+def _explain(exc: Exception) -> tuple[str, str | None]:
+    """msgpack's own exceptions, in the words (and requirement IDs) of spec/context.md."""
+    if isinstance(exc, msgpack.ExtraData):
+        return "bytes after the top-level object", "CTX-2"
+    if isinstance(exc, msgpack.StackError):
+        return f"nesting deeper than {MAX_DEPTH} (msgpack's own stack limit)", "CTX-7"
+    if isinstance(exc, msgpack.FormatError):
+        return "a type byte that starts no MessagePack object (the reserved byte 0xc1)", "CTX-13"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a str that is not valid UTF-8: {exc}", "CTX-4"
+    if isinstance(exc, ValueError) and ("incomplete" in str(exc) or "exceeds max_" in str(exc)):
+        # msgpack bounds every length and count by the bytes left, so a huge one reads as truncation
+        return f"truncated: a length or count runs past the end of the blob ({exc})", "CTX-13"
+    return f"{type(exc).__name__}: {exc}", None

@@ -18,7 +18,7 @@ import numpy as np
 
 from .canonical import format_number
 from .dtypes import from_numpy
-from .errors import CheckpointError
+from .errors import CheckpointError, ContextError
 from .reader import open_checkpoint
 from .verify import Problem
 
@@ -54,6 +54,9 @@ def array_description(array: np.ndarray[Any, Any]) -> dict[str, object]:
     return {"dtype": from_numpy(array.dtype), "shape": list(array.shape), "digest": sha256(data)}
 
 
+_MAX_BIGINT_BITS = 8192  # 2,467 decimal digits, far below Python's 4,300-digit str() limit
+
+
 def context_json(value: object) -> object:
     """A decoded context value as JSON; msgpack types JSON lacks become one-member ``$`` objects."""
     if value is None or isinstance(value, (bool, str)):
@@ -61,6 +64,12 @@ def context_json(value: object) -> object:
     if isinstance(value, int):
         if -(1 << 63) <= value < (1 << 64):
             return value
+        if value.bit_length() > _MAX_BIGINT_BITS:
+            # Python refuses str() of an int of more than 4300 digits (and it would take quadratic time)
+            raise ContextError(
+                f"a bigint of {value.bit_length()} bits is too large to describe in decimal "
+                f"(this reader describes at most {_MAX_BIGINT_BITS} bits)"
+            )
         return {"$bigint": str(value)}
     if isinstance(value, float):
         return {"$float": float_text(value)}

@@ -55,3 +55,24 @@ def from_numpy(dtype: np.dtype[np.generic]) -> str:
         return _BY_NUMPY[dtype.newbyteorder("<")]
     except KeyError:
         raise DTypeError(f"numpy dtype {dtype} has no safetensors equivalent") from None
+
+
+MAX_EXTENT = 1 << 63  # numpy's limit (ssize_t): no dimension, and no array's byte size, may reach it
+
+
+def shape_size_problem(shape: tuple[int, ...] | list[int], item: int) -> str | None:
+    """Why an array of ``shape`` and item size ``item`` cannot exist in memory (TEN-23, SAF-14), or None.
+
+    Zero dimensions are left out of the product: numpy refuses ``np.empty((0, 2**62, 2**62))`` too, so an
+    empty tensor with astronomically large other dimensions would pass every size check and then fail
+    (or spin) in whoever reads it.
+    """
+    count = item
+    for d in shape:
+        if d >= MAX_EXTENT:
+            return f"shape {list(shape)} has a dimension of 2**63 or more"
+        if d:
+            count *= d
+            if count >= MAX_EXTENT:
+                return f"shape {list(shape)} x {item}-byte items is 2**63 bytes or more (zero dimensions aside)"
+    return None

@@ -32,6 +32,9 @@ FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 MAX_MANIFEST_BYTES = 256 << 20
+MAX_JSON_DEPTH = 64  # MAN-26: the top-level object is level 1
+MAX_INT_DIGITS = 20  # MAN-26: enough for any 64-bit integer, signed or unsigned (as ckptfmt.jsonio)
+_INT_BOUND = 10**MAX_INT_DIGITS  # JSON integers have no leading zeros: |v| < 10**20 <=> at most 20 digits
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()
 RAW = "raw"
 
@@ -187,16 +190,27 @@ def _fail(message: str, **where: Any) -> ManifestError:
 
 def _int(value: object, what: str, **where: Any) -> int:
     if type(value) is not int or value < 0:
-        raise _fail(f"{what} must be a non-negative integer, got {value!r}", **where)
+        raise _fail(f"{what} must be a non-negative integer, got {_show(value)}", **where)
+    if value >= _INT_BOUND:
+        raise ManifestError(f"{what} is an integer of more than {MAX_INT_DIGITS} digits", requirement="MAN-26", **where)
     return value
+
+
+def _show(value: object) -> str:
+    """A value from the file for an error message: short, and never a deep repr()."""
+    if type(value) in (dict, list):
+        return f"a JSON {'object' if type(value) is dict else 'array'}"
+    if type(value) is int and value.bit_length() > 128:
+        return "a very long integer"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _ints(value: object, what: str, **where: Any) -> tuple[int, ...]:
     if type(value) is not list:
-        raise _fail(f"{what} must be an array of non-negative integers, got {value!r}", **where)
+        raise _fail(f"{what} must be an array of non-negative integers, got {_show(value)}", **where)
     for v in value:
-        if type(v) is not int or v < 0:
-            raise _fail(f"{what} must be an array of non-negative integers, got {value!r}", **where)
+        _int(v, f"each of {what}", **where)
     return tuple(value)
 
 
@@ -208,15 +222,53 @@ def _obj(value: object, what: str, **where: Any) -> dict[str, Any]:
 
 def _digest(value: object, what: str, **where: Any) -> str:
     if parse_digest(value) is None:
-        raise _fail(f"{what} {value!r} is not '<algorithm>:<hex>' of a known algorithm", **where)
+        raise _fail(f"{what} {_show(value)} is not '<algorithm>:<hex>' of a known algorithm", **where)
     assert isinstance(value, str)
     return value
+
+
+def _free_problem(value: object, level: int) -> str | None:
+    """Why a value the schema does not walk (an unknown member, a configuration) breaks MAN-26, or None.
+
+    ``level`` is the nesting level of ``value`` itself (the manifest's top-level object is level 1).
+    Iterative, so no nesting the JSON parser let through can exhaust the stack here.
+    """
+    stack = [(value, level)]
+    while stack:
+        item, depth = stack.pop()
+        if type(item) is dict or type(item) is list:
+            if depth > MAX_JSON_DEPTH:
+                return f"JSON nests deeper than {MAX_JSON_DEPTH} levels"
+            children = item.values() if type(item) is dict else item
+            stack.extend((child, depth + 1) for child in children)
+        elif type(item) is int and not -_INT_BOUND < item < _INT_BOUND:
+            return f"JSON integer of more than {MAX_INT_DIGITS} digits"
+    return None
+
+
+def _extras(raw: dict[str, Any], known: frozenset[str], level: int, **where: Any) -> None:
+    """Check the members of ``raw`` (an object at ``level``) that the schema does not define (MAN-26)."""
+    for key in raw.keys() - known:
+        problem = _free_problem(raw[key], level + 1)
+        if problem:
+            raise ManifestError(f"member {key!r}: {problem}", requirement="MAN-26", **where)
+
+
+_TOP = frozenset({"format", "format_version", "profile", "files", "fields", "extensions", "metadata"})
+_FILE = frozenset({"path", "size", "digest"})
+_FIELD = frozenset({"kind", "tensors", "context"})
+_REF = frozenset({"path"})
+_TENSOR = frozenset({"dtype", "shape", "chunks"})
+_CHUNK = frozenset({"path", "key", "offsets", "shape", "range", "digest", "codec"})
+_CODEC = frozenset({"name", "configuration"})
+_EXTENSION = frozenset({"name", "must_understand", "configuration"})
 
 
 def _codec(value: object, **where: Any) -> Codec:
     if value is None:
         raise _fail("chunk has no 'codec'", **where)
     raw = _obj(value, "chunk 'codec'", **where)
+    _extras(raw, _CODEC - {"configuration"}, 8, **where)  # the chunk's codec object is at level 8
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise _fail("codec 'name' must be a non-empty string", **where)
@@ -230,16 +282,16 @@ def _codec(value: object, **where: Any) -> Codec:
 
 def _parse_version(doc: dict[str, Any]) -> str:
     if doc.get("format") != FORMAT_NAME:
-        raise ManifestError(f"'format' must be {FORMAT_NAME!r}, got {doc.get('format')!r}")
+        raise ManifestError(f"'format' must be {FORMAT_NAME!r}, got {_show(doc.get('format'))}")
     version = doc.get("format_version")
     if not isinstance(version, str):
-        raise ManifestError(f"'format_version' must be a 'MAJOR.MINOR' string, got {version!r}")
+        raise ManifestError(f"'format_version' must be a 'MAJOR.MINOR' string, got {_show(version)}")
     if _VERSION.fullmatch(version) is None:
-        raise ManifestError(f"'format_version' must be 'MAJOR.MINOR' without leading zeros, got {version!r}")
+        raise ManifestError(f"'format_version' must be 'MAJOR.MINOR' without leading zeros, got {_show(version)}")
     major = version.partition(".")[0]
-    if int(major) != FORMAT_MAJOR:
+    if len(major) > 18 or int(major) != FORMAT_MAJOR:  # (int() of thousands of digits is refused or slow)
         raise UnsupportedVersionError(
-            f"format version {version} has major {int(major)}; this reader implements major {FORMAT_MAJOR}"
+            f"format version {_show(version)} is not of major {FORMAT_MAJOR}, the one this reader implements"
         )
     return version
 
@@ -252,6 +304,7 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
     out = []
     for raw in value:
         raw = _obj(raw, "an extension")
+        _extras(raw, _EXTENSION - {"configuration"}, 3)
         name = raw.get("name")
         must = raw.get("must_understand")
         if not isinstance(name, str) or type(must) is not bool:
@@ -274,6 +327,8 @@ def _parse_files(value: object) -> tuple[FileRecord, ...]:
     previous = ""
     for raw in value:
         raw = _obj(raw, "a file record")
+        if len(raw) != len(_FILE):
+            _extras(raw, _FILE, 3)
         path = paths.check_path(raw.get("path"), where="files")
         if path <= previous:
             raise ManifestError("'files' must be sorted by path with no duplicates", path=path)
@@ -307,7 +362,8 @@ def _parse_chunk(raw: Any, sizes: Mapping[str, int], dtype_size: int, rank: int,
         begin, end = raw["range"]
         digest, codec = raw["digest"], raw["codec"]
         if (
-            type(key) is str
+            len(raw) == 7
+            and type(key) is str
             and key
             and type(begin) is int
             and type(end) is int
@@ -342,6 +398,7 @@ def _parse_chunk_slow(
 ) -> ChunkRecord:
     if type(raw) is not dict:
         raise _fail("a chunk must be a JSON object", **where)
+    _extras(raw, _CHUNK, 7, **where)
     path = raw.get("path")
     if not isinstance(path, str) or path not in sizes:
         if isinstance(path, str):
@@ -389,10 +446,15 @@ def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) 
     if problem:
         raise _fail(problem, **where)
     raw = _obj(raw, "a tensor record", **where)
+    if len(raw) != len(_TENSOR):
+        _extras(raw, _TENSOR, 5, **where)
     dtype = raw.get("dtype")
     if not isinstance(dtype, str):
         raise _fail(f"tensor 'dtype' must be a string, got {dtype!r}", **where)
     shape = _ints(raw.get("shape"), "tensor 'shape'", **where)
+    problem = dtypes.shape_size_problem(shape, dtypes.ITEMSIZE.get(dtype, 1))
+    if problem:
+        raise ManifestError(f"tensor {problem}", requirement="TEN-23", **where)
     chunk_list = raw.get("chunks")
     if type(chunk_list) is not list:
         raise _fail("tensor 'chunks' must be an array", **where)
@@ -410,12 +472,14 @@ def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecor
     if not paths.is_field_name(name):
         raise ManifestError(f"field name {name!r} must match [a-z][a-z0-9_]{{0,63}}", field=name)
     raw = _obj(raw, "a field record", field=name)
+    _extras(raw, _FIELD, 3, field=name)
     kind = raw.get("kind")
     context = None
     if "context" in raw:
         ref = _obj(raw["context"], "field 'context'", field=name)
+        _extras(ref, _REF, 4, field=name)
         context = ref.get("path")
-        if context not in sizes:
+        if type(context) is not str or context not in sizes:
             if isinstance(context, str):
                 paths.check_path(context, where="context")
             raise ManifestError(f"context names file {context!r}, which 'files' does not list", field=name)
@@ -429,7 +493,7 @@ def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecor
         tensors = _obj(raw.get("tensors"), "field 'tensors'", field=name)
         parsed = {t: _parse_tensor(t, rec, sizes, name) for t, rec in tensors.items()}
         return FieldRecord(kind="tensors", tensors=parsed, context=context)
-    raise ManifestError(f"field 'kind' must be 'tensors' or 'context', got {kind!r}", field=name)
+    raise ManifestError(f"field 'kind' must be 'tensors' or 'context', got {_show(kind)}", field=name)
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -447,10 +511,13 @@ def _no_float(text: str) -> object:
     raise ManifestError(f"floating-point number {text} is not allowed in a manifest")
 
 
-def parse_manifest(data: bytes) -> Manifest:
-    """Parse and validate manifest bytes. Raises a ManifestError subclass naming what is wrong."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+_BOM = b"\xef\xbb\xbf"
+
+
+def _load(data: bytes) -> tuple[Any, bool]:
+    """The manifest's JSON value, and whether its bytes were canonical (MAN-1)."""
+    if data.startswith(_BOM):
+        raise ManifestError("manifest begins with a UTF-8 byte order mark", requirement="MAN-27")
     try:
         text = data.decode("utf-8")
         # Fast path: a canonical manifest (as writers must write, MAN-1) re-serializes to its own bytes,
@@ -468,14 +535,41 @@ def parse_manifest(data: bytes) -> Manifest:
         raise ManifestError(f"manifest is not valid UTF-8: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise ManifestError(f"manifest is not valid JSON: {exc}") from exc
+    except RecursionError:
+        # the parser recurses per level: JSON nested this deep never reaches the MAN-26 walk
+        raise ManifestError(f"manifest JSON nests deeper than {MAX_JSON_DEPTH} levels", requirement="MAN-26") from None
+    except ValueError as exc:
+        if isinstance(exc, ManifestError):
+            raise
+        # Python refuses integer literals of more than 4300 digits (int_max_str_digits)
+        raise ManifestError(f"manifest holds an over-long JSON number: {exc}", requirement="MAN-26") from None
+    return doc, canonical
+
+
+def _check_unicode(doc: object) -> None:
+    """MAN-27: no string or member name may hold a lone surrogate (a "\ud800" escape without its pair)."""
+    try:
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ManifestError(
+            "manifest holds a \\u escape of a lone surrogate (not a Unicode character)", requirement="MAN-27"
+        ) from None
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """Parse and validate manifest bytes. Raises a ManifestError subclass naming what is wrong."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    doc, canonical = _load(data)
     doc = _obj(doc, "the manifest")
+    _extras(doc, _TOP - {"extensions", "metadata"}, 1)
     version = _parse_version(doc)
     extensions = _parse_extensions(doc.get("extensions"))
     profile = doc.get("profile")
-    if profile not in PROFILES:
-        raise ManifestError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    if type(profile) is not str or profile not in PROFILES:
+        raise ManifestError(f"unknown profile {_show(profile)}; known: {', '.join(PROFILES)}")
     metadata = doc.get("metadata", {})
-    if type(metadata) is not dict or not all(isinstance(v, str) for v in metadata.values()):
+    if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
         raise ManifestError("'metadata' must map strings to strings")
     files = _parse_files(doc.get("files"))
     sizes = {f.path: f.size for f in files}
@@ -483,6 +577,8 @@ def parse_manifest(data: bytes) -> Manifest:
     fields = {name: _parse_field(name, raw, sizes) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
     _check_chunk_keys(fields)
+    if not canonical:
+        _check_unicode(doc)
     return Manifest(
         profile=profile,
         files=files,

@@ -12,6 +12,7 @@ from .edits import (
     delete,
     delete_file_member,
     manifest,
+    raw_manifest,
     replace_in_manifest,
     set_,
     set_file,
@@ -31,6 +32,13 @@ from .invalid import (
     symlink_file,
     truncate,
 )
+from .mutations import Tree
+
+
+def manifest_symlink(t: Tree) -> None:
+    (t.root / "manifest.json").rename(t.root / "manifest-target.json")
+    (t.root / "manifest.json").symlink_to("manifest-target.json")
+
 
 VECTORS: tuple[Invalid, ...] = (
     # ---- commit, manifest parsing
@@ -69,6 +77,60 @@ VECTORS: tuple[Invalid, ...] = (
         ("MAN-5",),
         "A chunk record has its key member twice, with the same value.",
         replace_in_manifest('"key":"w",', '"key":"w","key":"w",'),
+    ),
+    Invalid(
+        "manifest-duplicate-member-escaped",
+        ("MAN-5",),
+        'The top-level member format appears twice, once spelled "form\\u0061t" (the same name after unescaping).',
+        raw_manifest(lambda b: b[:-1] + b',"form\\u0061t":"ckptfmt"}'),
+    ),
+    Invalid(
+        "manifest-symlink",
+        ("MAN-25",),
+        "manifest.json is a symbolic link to manifest-target.json, a regular file holding the manifest.",
+        manifest_symlink,
+    ),
+    Invalid(
+        "manifest-nesting-65",
+        ("MAN-26",),
+        "An unknown top-level member holds arrays nested 64 deep: level 65 counting the manifest object.",
+        raw_manifest(lambda b: b[:-1] + b',"x":' + b"[" * 64 + b"]" * 64 + b"}"),
+    ),
+    Invalid(
+        "manifest-nesting-10000",
+        ("MAN-26",),
+        "An unknown top-level member holds arrays nested 10,000 deep (recursive parsers overflow).",
+        raw_manifest(lambda b: b[:-1] + b',"x":' + b"[" * 10_000 + b"]" * 10_000 + b"}"),
+    ),
+    Invalid(
+        "manifest-integer-21-digits",
+        ("MAN-26",),
+        "An unknown top-level member is the integer 100000000000000000000 (21 digits).",
+        raw_manifest(lambda b: b[:-1] + b',"x":100000000000000000000}'),
+    ),
+    Invalid(
+        "manifest-integer-5000-digits",
+        ("MAN-26",),
+        "An unknown top-level member is an integer of 5,000 digits.",
+        raw_manifest(lambda b: b[:-1] + b',"x":' + b"9" * 5000 + b"}"),
+    ),
+    Invalid(
+        "manifest-bom",
+        ("MAN-27",),
+        "The manifest begins with a UTF-8 byte order mark (ef bb bf).",
+        raw_manifest(lambda b: b"\xef\xbb\xbf" + b),
+    ),
+    Invalid(
+        "manifest-lone-surrogate",
+        ("MAN-27",),
+        'An unknown top-level member is the string "\\ud800" (a lone high surrogate escape).',
+        raw_manifest(lambda b: b[:-1] + b',"x":"\\ud800"}'),
+    ),
+    Invalid(
+        "manifest-lone-low-surrogate-name",
+        ("MAN-27",),
+        'An unknown top-level member is named "\\udc00x" (a lone low surrogate escape).',
+        raw_manifest(lambda b: b[:-1] + b',"\\udc00x":1}'),
     ),
     Invalid("manifest-size-string", ("MAN-7",), "A file record's size is a string.", set_file(DATA, "size", "1")),
     Invalid("manifest-metadata-int", ("MAN-7",), "A metadata value is an integer.", set_(("metadata",), {"k": 1})),
@@ -131,10 +193,19 @@ VECTORS: tuple[Invalid, ...] = (
     ),
     Invalid(
         "file-missing",
-        ("MAN-19",),
+        ("MAN-28",),
         "The data file is absent (a missing file has no size to match).",
         lambda t: (t.root / DATA).unlink(),
+        also=("MAN-19",),
         scope="file",
+    ),
+    Invalid(
+        "blob-missing",
+        ("MAN-28",),
+        "The provenance context blob is absent.",
+        lambda t: (t.root / PROV).unlink(),
+        also=("MAN-19",),
+        scope="blob",
     ),
     Invalid("field-name-invalid", ("MAN-20",), "An extra field named 'Extra'.", add_field("Extra", EXTRA_CTX)),
     Invalid(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .edits import (
     DATA,
+    Mutation,
     delete,
     extra_entry,
     header,
@@ -29,6 +30,34 @@ from .invalid import (
     swap_ranges,
     weights_entry,
 )
+from .mutations import Tree
+
+
+def nested(levels: int) -> object:
+    value: object = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def truncated_to(path: str, size: int) -> Mutation:
+    return lambda t: t.write(path, t.read(path)[:size])
+
+
+def huge_empty(shape: list[int]) -> Mutation:
+    """Give the empty tensor ``e`` (and its one chunk and header entry) ``shape``, still with no elements."""
+
+    def run(t: Tree) -> None:
+        doc = t.manifest()
+        record = doc["fields"]["weights"]["tensors"]["e"]
+        [only] = record["chunks"]
+        record["shape"] = only["shape"] = shape
+        only["offsets"] = [0] * len(shape)
+        t.set_manifest(doc)
+        t.rewrite_data_file(only["path"], header=lambda h: h[only["key"]].__setitem__("shape", shape))
+
+    return run
+
 
 VECTORS: tuple[Invalid, ...] = (
     # ---- tensors
@@ -65,6 +94,20 @@ VECTORS: tuple[Invalid, ...] = (
         ("TEN-4",),
         "Tensor e has shape [0, -3].",
         set_(("fields", "weights", "tensors", "e", "shape"), [0, -3]),
+    ),
+    Invalid(
+        "tensor-shape-too-large",
+        ("TEN-23",),
+        "Empty F32 tensor e has shape [0, 2**62, 2**62]: no elements, but no numpy array (header agrees).",
+        huge_empty([0, 1 << 62, 1 << 62]),
+        also=("SAF-14",),
+    ),
+    Invalid(
+        "tensor-dimension-too-large",
+        ("TEN-23",),
+        "Empty tensor e has shape [0, 2**63] (its header entry says the same).",
+        huge_empty([0, 1 << 63]),
+        also=("SAF-14",),
     ),
     Invalid("tensor-chunks-missing", ("TEN-5",), "Tensor w has no chunks.", delete((*W, "chunks"))),
     Invalid("chunk-path-missing", ("TEN-6",), "A chunk without path.", delete((*C, "path"))),
@@ -156,6 +199,49 @@ VECTORS: tuple[Invalid, ...] = (
         header_past_end,
         scope="file",
     ),
+    Invalid(
+        "st-file-too-short",
+        ("SAF-3",),
+        "The data file is cut to its first 5 bytes (its file record follows): too short for the header length.",
+        truncated_to(DATA, 5),
+        also=("TEN-20", "SAF-13"),
+        scope="file",
+    ),
+    Invalid(
+        "st-header-nan",
+        ("SAF-4",),
+        "An unknown member of entry w is NaN, which is not JSON.",
+        lambda t: t.rewrite_data_file(DATA, raw_header=lambda h: h.replace(b'"dtype"', b'"x":NaN,"dtype"', 1)),
+        scope="file",
+    ),
+    Invalid(
+        "st-header-nesting-65",
+        ("SAF-15",),
+        "An unknown member of entry w holds arrays nested 63 deep: level 65 counting the header object.",
+        header(lambda h: h["w"].__setitem__("x", nested(63))),
+        scope="file",
+    ),
+    Invalid(
+        "st-header-integer-21-digits",
+        ("SAF-15",),
+        "An unknown member of entry w is the integer 100000000000000000000 (21 digits).",
+        header(lambda h: h["w"].__setitem__("x", 10**20)),
+        scope="file",
+    ),
+    Invalid(
+        "st-header-lone-surrogate",
+        ("SAF-15",),
+        'An unknown member of entry w is the string "\\ud800".',
+        lambda t: t.rewrite_data_file(DATA, raw_header=lambda h: h.replace(b'"dtype"', b'"x":"\\ud800","dtype"', 1)),
+        scope="file",
+    ),
+    Invalid(
+        "st-header-leading-space",
+        ("SAF-16",),
+        "The header begins with a space before its '{' (upstream safetensors refuses it).",
+        lambda t: t.rewrite_data_file(DATA, raw_header=lambda h: b" " + h),
+        scope="file",
+    ),
     Invalid("st-header-not-utf8", ("SAF-4",), "The header's last padding byte is ff.", pad_byte(b"\xff"), scope="file"),
     Invalid(
         "st-header-not-json",
@@ -191,6 +277,13 @@ VECTORS: tuple[Invalid, ...] = (
         "An unreferenced entry with shape [-1].",
         extra_entry({"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}, 0),
         also=("SAF-9",),
+        scope="file",
+    ),
+    Invalid(
+        "st-shape-too-large",
+        ("SAF-14",),
+        "An unreferenced empty U8 entry of shape [0, 2**62, 2**62].",
+        extra_entry({"dtype": "U8", "shape": [0, 1 << 62, 1 << 62], "data_offsets": [0, 0]}, 0),
         scope="file",
     ),
     Invalid(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import safetensors.numpy
 
+import ckptfmt
 from ckptfmt import dtypes
 from ckptfmt.errors import SafetensorsHeaderError
 from ckptfmt.safetensors_io import MAX_HEADER_BYTES, build_header, header_length, parse_header
@@ -64,6 +66,27 @@ def test_built_files_load_with_safetensors() -> None:
     assert loaded.keys() == arrays.keys()
     for key, array in arrays.items():
         np.testing.assert_array_equal(loaded[key], array)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 7, 50])
+def test_headers_begin_with_a_brace_and_are_padded_with_spaces_only(tmp_path: Path, count: int) -> None:
+    """SAF-17, on build_header and on every data file the writer produces, which upstream safetensors opens."""
+    entries = [(f"t{i}" * (i + 1), "U8", (i,), i) for i in range(count)]
+    prefix, _ = build_header(entries)
+    text = prefix[8:]
+    assert text.startswith(b"{")
+    body = text.rstrip(b" ")
+    assert body.endswith(b"}") and json.loads(body) is not None and set(text[len(body) :]) <= {0x20}
+    url = tmp_path / "ck"
+    with ckptfmt.open_writer(url, profile="weights") as w:
+        w.write_tensors("weights", {f"t{i}": np.arange(i, dtype=np.uint8) for i in range(count)})
+        w.write_context("provenance", {"created_at": "2025-01-01T00:00:00Z"})
+    for data_file in url.rglob("*.safetensors"):
+        raw = data_file.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = raw[8 : 8 + n]
+        assert header.startswith(b"{") and set(header[len(header.rstrip(b" ")) :]) <= {0x20}
+        safetensors.numpy.load(raw)
 
 
 def test_empty_file_header() -> None:
