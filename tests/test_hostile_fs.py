@@ -707,3 +707,34 @@ def test_exports_refuse_a_destination_holding_symlinks(tmp_path: Path, outside: 
         result = run_cli("convert", str(tmp_path / "src"), str(dst), "--to", to, *extra)
         assert_clean_failure(result)
         assert "symlink" in result.stderr
+
+
+# ---------------------------------------------------------------- the trainer's manager over a hostile run directory
+
+
+@pytest.mark.parametrize("bad", ["fifo", "deep", "wrong-type"])
+def test_manager_lists_restores_and_keeps_saving_over_unreadable_pointers(tmp_path: Path, bad: str) -> None:
+    """latest.json is a hint: restore looks at the checkpoints; an unreadable pins.json suspends retention
+    (its pins are unknown) without failing the save."""
+    torch = pytest.importorskip("torch")
+    from ckptfmt.torch import CheckpointManager, ResumableSampler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    with CheckpointManager(run, keep_last=None) as mgr:
+        for step in (2, 4):
+            mgr.save(step, model=model, optimizer=opt, sampler=ResumableSampler(8, seed=0), config={})
+    for name in ("latest.json", "pins.json"):
+        (run / name).unlink(missing_ok=True)
+        if bad == "fifo":
+            make_special(run / name, "fifo")
+        else:
+            (run / name).write_bytes(b"[" * 5000 + b"]" * 5000 if bad == "deep" else b'{"pinned": 7, "name": 7}')
+    mgr = CheckpointManager(run, keep_last=1)
+    assert no_hang(lambda: mgr.restore_latest(model=model, optimizer=opt, sampler=ResumableSampler(8, seed=0))) == 4
+    no_hang(lambda: mgr.save(6, model=model, optimizer=opt, sampler=ResumableSampler(8, seed=0), config={}))
+    mgr.close()
+    assert {e.name for e in RunDirectory(run).entries()} == {checkpoint_name(s) for s in (2, 4, 6)}  # none deleted
+    assert RunDirectory(run).latest() == RunDirectory(run).read_latest()  # the save rewrote the pointer
