@@ -156,6 +156,21 @@ def test_writer_refuses_a_symlinked_field_directory(tmp_path: Path, outside: Sen
     assert set(snapshot(dst)) <= {"weights", "provenance"}  # no manifest, no lock, no file left behind
 
 
+def test_writer_never_creates_the_target_of_a_dangling_symlink(tmp_path: Path, outside: Sentinel) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "weights").symlink_to(outside.top / "made-by-the-writer")
+    with pytest.raises(UnsafePathError, match="'weights' is a symlink"):
+        small_checkpoint(dst)
+    assert not os.path.lexists(outside.top / "made-by-the-writer")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "ls", "gc"])
+def test_a_fifo_given_as_the_root_fails_fast(tmp_path: Path, command: str) -> None:
+    make_special(tmp_path / "root", "fifo")
+    assert_clean_failure(no_hang(lambda: run_cli(command, str(tmp_path / "root"))), codes=(1, 2))
+
+
 def test_writer_refuses_a_field_directory_that_is_a_file(tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     dst.mkdir()
