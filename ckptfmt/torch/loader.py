@@ -14,6 +14,8 @@ global position (so a run saved on N ranks resumes on M). The trainer writes no 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
@@ -240,11 +242,20 @@ def dataset_identity(source: Any) -> DatasetIdentity | None:
     return identity if isinstance(identity, DatasetIdentity) else None
 
 
+def _warn(message: str) -> None:
+    """An :class:`InexactResumeWarning` attributed to the caller's line, not to ckptfmt's internals."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is the frame that called _warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(message, InexactResumeWarning, stacklevel=level)
+
+
 def _refuse_or_warn(message: str, policy: Policy) -> None:
     if policy == "strict":
         raise UsageError(message + ' (CheckpointManager(on_mismatch="warn") saves anyway, with a warning)')
     if policy == "warn":
-        warnings.warn(message, InexactResumeWarning, stacklevel=4)
+        _warn(message)
 
 
 def data_field(source: Any, *, policy: Policy = "strict", steps_passed: bool = True) -> dict[str, Any]:
@@ -339,7 +350,7 @@ def inexact_resume_reasons(source: Any) -> list[str]:
 def check_restorable(source: Any, data: Mapping[str, Any]) -> None:
     """Refuse, before anything is applied, a data field that ``source`` cannot take; warn about inexact resumes."""
     for reason in inexact_resume_reasons(source):
-        warnings.warn("resume will not be exact: " + reason, InexactResumeWarning, stacklevel=4)
+        _warn("resume will not be exact: " + reason)
     target = _inner_sampler(source) if _is_plain_loader(source) else source
     ours = isinstance(target, (ResumableDataLoader, ResumableSampler))
     sampler = data.get("sampler")
