@@ -121,16 +121,30 @@ def test_never_draws_from_the_global_rng(workers: int) -> None:
     assert not torch.equal(before[0], torch.get_rng_state())
 
 
-def test_worker_seeds_are_fixed_per_epoch() -> None:
-    class Noisy(Indices):
-        def __getitem__(self, index: int) -> int:
-            return int(torch.randint(0, 1 << 30, ()).item())  # a worker-side random augmentation
+class Noisy(Indices):
+    """A random augmentation drawn in __getitem__, from all three global RNGs of the fetching process."""
 
-    def run() -> list[list[int]]:
-        loader = ResumableDataLoader(Noisy(), batch_size=4, seed=5, num_workers=2)
-        return [b.tolist() for _ in range(2) for b in loader]
+    def __getitem__(self, index: int) -> int:
+        return int(torch.randint(0, 1 << 20, ()).item()) ^ random.getrandbits(20) ^ int(np.random.randint(1 << 20))
 
-    assert run() == run()
+
+def test_worker_side_randomness_resumes_exactly() -> None:
+    """Seeded per (seed, epoch, sample) in the workers: the same for any worker count, persistent or not,
+    and after a mid-epoch resume into another worker count."""
+
+    def noisy(**kwargs: Any) -> ResumableDataLoader[int]:
+        return ResumableDataLoader(Noisy(), batch_size=4, seed=5, **kwargs)
+
+    reference = epochs(noisy(num_workers=2), 2)
+    assert epochs(noisy(num_workers=1), 2) == reference
+    assert epochs(noisy(num_workers=2, persistent_workers=True), 2) == reference
+    first = noisy(num_workers=2)
+    head = take(first, 3)
+    resumed = noisy(num_workers=1)
+    resumed.load_state_dict(first.state_dict())
+    assert head + epochs(resumed, 2) == reference
+    assert reference[:6] != reference[6:12]  # each epoch draws anew
+    assert noisy().user_dataset.n == N and len(noisy().dataset) == N  # type: ignore[attr-defined,arg-type]
 
 
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3), (3, 1), (1, 4)])

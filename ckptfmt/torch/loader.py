@@ -13,15 +13,18 @@ global position (so a run saved on N ranks resumes on M). The trainer writes no 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import random
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from ..errors import ContextError, UsageError
 from .sampler import DatasetIdentity, Plan, ResumableSampler, default_rank_world
@@ -49,9 +52,11 @@ class ResumableDataLoader(DataLoader[T]):
     State (:meth:`state_dict`) is the ``data`` field: epoch, samples of the global order consumed by all
     ranks together, seed. Each batch counts as consumed when ``next()`` returns it. A new iterator
     continues at the position; an epoch ends when no further batch can be made from it. One live
-    iterator at a time (:class:`UsageError` otherwise). Randomness drawn in worker processes is seeded
-    per (seed, epoch, rank) — the same on every run — but restarts at a mid-epoch resume; randomness
-    drawn in the main process (``num_workers=0``) is in the checkpoint's ``rng`` field.
+    iterator at a time (:class:`UsageError` otherwise). Randomness drawn in ``__getitem__`` in worker
+    processes comes from RNGs seeded per (seed, epoch, sample), so it is exact across a mid-epoch resume
+    and the same for any number of workers > 0; randomness drawn in the main process (``num_workers=0``)
+    is in the checkpoint's ``rng`` field. ``loader.dataset`` is a thin wrapper: the trainer's dataset is
+    ``loader.user_dataset``.
     """
 
     def __init__(
@@ -112,9 +117,9 @@ class ResumableDataLoader(DataLoader[T]):
             )
         self._generator = torch.Generator()
         super().__init__(
-            dataset,
+            _seeded(dataset, seed),
             batch_size=batch_size,
-            sampler=sampler,
+            sampler=_EpochTagged(sampler),
             num_workers=num_workers,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
@@ -128,6 +133,7 @@ class ResumableDataLoader(DataLoader[T]):
             pin_memory_device=pin_memory_device,
         )
         self.resumable_sampler = sampler
+        self.user_dataset = dataset
         self.seed = seed
         self._per_batch = per_batch
 
@@ -152,7 +158,7 @@ class ResumableDataLoader(DataLoader[T]):
             sampler.__iter__()  # raises the two-live-iterators error, naming the fix
         # The workers' base seed is drawn from this generator, never from torch's global one; seeded per
         # (seed, epoch, rank) so that a resumed process gives an epoch's workers the seed they had before.
-        self._generator.manual_seed(_mix(self.seed, sampler.epoch, sampler.rank))
+        self._generator.manual_seed(_mix("workers", self.seed, sampler.epoch, sampler.rank))
         return _Handed(self, super().__iter__())
 
     def _handed(self, it: _Handed[T]) -> None:
@@ -210,11 +216,69 @@ class _Handed(Iterator[T]):
         return len(self._inner)  # type: ignore[arg-type]
 
 
-def _mix(seed: int, epoch: int, rank: int) -> int:
-    import hashlib
-
-    digest = hashlib.sha256(f"ckptfmt.loader:{seed}:{epoch}:{rank}".encode()).digest()
+def _mix(*parts: object) -> int:
+    digest = hashlib.sha256(("ckptfmt.loader:" + ":".join(map(str, parts))).encode()).digest()
     return int.from_bytes(digest[:8], "little") & _MASK63
+
+
+class _EpochTagged:
+    """The sampler's indices as (epoch, index), so that a worker knows which epoch a sample is drawn for."""
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.sampler.epoch
+        return ((epoch, index) for index in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _Seeded(Dataset[T]):
+    """The trainer's dataset, fetched with a worker process's RNGs (torch, random, numpy) seeded per
+    (seed, epoch, sample): randomness drawn in ``__getitem__`` is then the same whichever worker fetches
+    the sample, how far it prefetched, and whether the run was resumed mid-epoch. In the main process
+    (``num_workers=0``) nothing is seeded: its RNG state is in the checkpoint's ``rng`` field."""
+
+    def __init__(self, dataset: Dataset[T], seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> T:
+        epoch, index = key
+        _seed_worker(self.seed, epoch, index)
+        return self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "seed") or name.startswith("__"):
+            raise AttributeError(name)  # not set yet (unpickling): never recurse
+        return getattr(self.dataset, name)
+
+
+class _SeededBatched(_Seeded[T]):
+    """For a dataset with ``__getitems__`` (batched fetching): the RNGs are seeded per batch."""
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> Any:
+        epoch, first = keys[0]
+        _seed_worker(self.seed, epoch, first)
+        return self.dataset.__getitems__([index for _, index in keys])  # type: ignore[attr-defined]
+
+
+def _seeded(dataset: Dataset[T], seed: int) -> _Seeded[T]:
+    return _SeededBatched(dataset, seed) if hasattr(dataset, "__getitems__") else _Seeded(dataset, seed)
+
+
+def _seed_worker(seed: int, epoch: int, index: int) -> None:
+    if get_worker_info() is None:
+        return
+    value = _mix("sample", seed, epoch, index)
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
 
 
 # ------------------------------------------------------------------ the data field of any data source
