@@ -6,9 +6,8 @@ rmdir), so a symlink or a non-directory anywhere below the root is refused with
 :class:`UnsafePathError` instead of being followed, and nothing can be read, written or deleted
 outside the root. The root itself is the caller's path: a symlink there is the caller's choice.
 
-Files are opened ``O_NONBLOCK`` (a FIFO would block a plain open forever) after an ``lstat`` that
-refuses anything but a regular file, so devices, FIFOs and sockets are never opened at all; the
-``fstat`` of the open file must match that ``lstat``.
+Files are opened ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO would block a plain open forever) and refused
+by ``fstat`` unless regular (FIFOs, sockets, devices, directories) before a byte is read.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK
+_NOCTTY = getattr(os, "O_NOCTTY", 0)  # a terminal device opened by mistake never becomes ours
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK | _NOCTTY
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
 _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC  # the root may be reached through a symlink
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
@@ -124,28 +124,14 @@ def parent_dir(root: str, path: str, *, create: bool = False) -> Iterator[tuple[
 
 
 def _open_regular(dir_fd: int | None, name: str, path: str) -> int:
-    """Open a regular file for reading; refuse (without opening) a symlink, FIFO, socket or device."""
-    for _ in range(8):  # an atomic replace (rename) between the lstat and the open: look again
-        fd = _try_open_regular(dir_fd, name, path)
-        if fd is not None:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-            return fd
-    raise UnsafePathError("keeps being replaced while being opened", path=path)
+    """Open a regular file for reading; refuse a symlink (never followed), FIFO, socket, device or directory.
 
-
-def _try_open_regular(dir_fd: int | None, name: str, path: str) -> int | None:
+    ``O_NONBLOCK`` makes the open of a FIFO return at once instead of waiting for a writer; ``fstat``
+    then refuses anything but a regular file before a byte is read, and the flag is cleared.
+    """
     try:
-        # dir_fd None: the root itself is the file, the caller's own path (a symlink there is their choice)
-        before = os.stat(name) if dir_fd is None else os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        raise MissingFileError("file is missing", path=path) from None
-    except OSError as exc:
-        raise StorageError(f"cannot stat: {exc}", path=path) from exc
-    if not stat.S_ISREG(before.st_mode):
-        raise UnsafePathError(f"is {kind_of(before.st_mode)}, not a regular file; readers follow no symlink", path=path)
-    try:
-        if dir_fd is None:
-            fd = os.open(name, os.O_RDONLY | _CLOEXEC | os.O_NONBLOCK)
+        if dir_fd is None:  # the root itself is the file: the caller's own path (a symlink there is their choice)
+            fd = os.open(name, os.O_RDONLY | _CLOEXEC | os.O_NONBLOCK | _NOCTTY)
         else:
             fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -153,14 +139,17 @@ def _try_open_regular(dir_fd: int | None, name: str, path: str) -> int | None:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError("is a symlink; readers follow none", path=path) from exc
+        if exc.errno == errno.ENXIO:  # a unix socket cannot be opened
+            raise UnsafePathError("is a socket, not a regular file", path=path) from exc
         raise StorageError(f"cannot open: {exc}", path=path) from exc
-    after = os.fstat(fd)
-    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafePathError(f"is {kind_of(mode)}, not a regular file", path=path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # clears O_NONBLOCK (the only status flag it was opened with)
+    except BaseException:
         os.close(fd)
-        return None
-    if not stat.S_ISREG(after.st_mode):  # unreachable unless the inode changed kind
-        os.close(fd)
-        raise UnsafePathError(f"is {kind_of(after.st_mode)}, not a regular file", path=path)
+        raise
     return fd
 
 
@@ -367,7 +356,11 @@ class LocalStore(Store):
         self.capabilities = Capabilities(ranged_reads=True, exclusive_create=True, local=True)
 
     def _open_read(self, path: str) -> int:
-        return open_below(self.url, path)
+        dir_fd, name = walk_to_parent(self.url, path)
+        try:
+            return _open_regular(dir_fd, name, path)
+        finally:
+            os.close(dir_fd)
 
     def create(self, path: str) -> OutputFile:
         dir_fd, name = walk_to_parent(self.url, path, create=True)  # LocalOutput owns (and closes) dir_fd
