@@ -35,6 +35,25 @@ class Violation:
     def reproduce(self) -> str:
         return f"replay(target={self.target!r}, seed={self.seed}, example={self.example})"
 
+    def save(self, directory: Path) -> Path:
+        """Write the input under ``directory/<target>-<seed>-<example>/``: the bytes, or the tree (symlinks and
+        special files as a JSON note). The pt/DCP/run-directory seeds carry a timestamp or a random id, so their
+        replay can differ slightly from the original; the saved input cannot."""
+        out = directory / f"{self.target}-{self.seed}-{self.example}"
+        out.mkdir(parents=True, exist_ok=True)
+        notes: dict[str, object] = {**self.to_dict(), "special": {}}
+        if self.case.data or not self.case.tree:
+            (out / "input.bin").write_bytes(self.case.data)
+        for prefix, tree in (("root", self.case.tree), ("dest", self.case.dest)):
+            for rel, node in tree.items():
+                if isinstance(node, bytes):
+                    (out / prefix / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (out / prefix / rel).write_bytes(node)
+                else:
+                    notes["special"][f"{prefix}/{rel}"] = repr(node)  # type: ignore[index]
+        (out / "violation.json").write_text(json.dumps(notes, indent=2, sort_keys=True) + "\n")
+        return out
+
     def to_dict(self) -> dict[str, object]:
         return {
             "target": self.target,
@@ -117,7 +136,7 @@ class Campaign:
         self.seed = seed
         seeds()  # built before tracing starts: torch's import under tracemalloc takes a minute
         self._tmp = tempfile.TemporaryDirectory(prefix="ckptfmt-fuzz-", dir=fast_tmp()) if work is None else None
-        self.work = Path(self._tmp.name) if self._tmp is not None else work  # type: ignore[assignment]
+        self.work = Path(self._tmp.name) if self._tmp is not None else Path(work or ".")
         self.stats = {t.name: Stats(t.name, t.kind) for t in self.targets}
         self._boxes: dict[str, Sandbox] = {}
         self._next = {t.name: 0 for t in self.targets}

@@ -203,7 +203,7 @@ def _mutate_str(value: str, rng: Random) -> Any:
 
 def mutate_json_value(doc: Any, rng: Random, *, donor: Any = None) -> Any:
     """One structural mutation anywhere in a parsed JSON document; returns the new document (maybe the same object)."""
-    paths = json_paths(doc)
+    paths = json_paths(doc, limit=1000)
     path = rng.choice(paths)
     node = _get(doc, path)
     op = rng.randrange(10)
@@ -428,7 +428,7 @@ def mutate_msgpack(data: bytes, rng: Random) -> bytes:
             doc = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType, timestamp=0)
         except Exception:  # the seed may itself be a mutant
             return mutate_bytes(data, rng)
-        paths = json_paths(doc)
+        paths = json_paths(doc, limit=300)  # an RNG state holds thousands of integers: the first few hundred will do
         path = rng.choice(paths)
         node = _get(doc, path)
         if isinstance(node, dict) and node and rng.random() < 0.3:
@@ -474,7 +474,7 @@ _FOREIGN = (
 
 def pickle_ops(data: bytes) -> list[tuple[str, Any, int]]:
     try:
-        return [(op.name, arg, pos) for op, arg, pos in pickletools.genops(data)]
+        return [(op.name, arg, pos or 0) for op, arg, pos in pickletools.genops(data)]
     except Exception:
         return []
 

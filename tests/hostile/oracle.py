@@ -69,9 +69,9 @@ def escaped_from(exc: BaseException) -> str:
     """The innermost frame of the library or CLI in the exception's traceback: where it escaped."""
     frames = traceback.extract_tb(exc.__traceback__)
     ours = [f for f in frames if "/ckptfmt/" in f.filename or "/cli/" in f.filename]
-    frame = (ours or frames or [None])[-1]
-    if frame is None:
+    if not (ours or frames):
         return "?"
+    frame = (ours or frames)[-1]
     return f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"
 
 

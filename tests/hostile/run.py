@@ -4,6 +4,7 @@
     .venv/bin/python tests/hostile/run.py --json fuzz.json                     # the CI run's counts
     .venv/bin/python tests/hostile/run.py --seconds 60 --targets parse_manifest,cli_diff --seed 7
     .venv/bin/python tests/hostile/run.py --replay parse_manifest:0:1234        # one example: target:seed:example
+    .venv/bin/python tests/hostile/run.py --seconds 600 --save /tmp/violations  # keep every sampled input
 
 Prints a table (examples, ok, library errors, violations per target) and each distinct violation with how to
 replay it; ``--json`` writes the same as a document for docs/reliability.md. Exit 1 when a violation was found.
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
     parser.add_argument("--json", type=Path, help="write the per-target figures here")
+    parser.add_argument("--save", type=Path, help="write each sampled violation's input under this directory")
     parser.add_argument("--replay", metavar="TARGET:SEED:EXAMPLE", help="re-run one example and print its outcome")
     args = parser.parse_args(argv)
     if args.replay:
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         for stats in campaign.stats.values():
             for v in stats.samples:
                 print(f"VIOLATION {v.target}: {v.outcome.detail}\n    input: {v.case.describe()}\n    {v.reproduce()}")
+                if args.save:
+                    print(f"    saved in {v.save(args.save)}")
         if args.json:
             dump_json(summary, args.json)
         campaign.close()

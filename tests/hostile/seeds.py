@@ -110,7 +110,7 @@ def _dcp(path: Path) -> None:
     state["epoch"] = 3
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # single process, no process group: intended
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path))  # type: ignore[attr-defined]
 
 
 def _run_dir(path: Path) -> None:
@@ -160,6 +160,7 @@ def seeds() -> dict[str, Tree]:
     return out
 
 
+@functools.cache
 def seed_bytes(kind: str) -> list[bytes]:
     """Every seed file of one kind (see mutators.kind_of), for the byte-level parser targets."""
     from .mutators import kind_of
