@@ -405,6 +405,8 @@ def test_gc_leaves_an_uncommitted_directory_holding_foreign_files_whole(run: Pat
     assert result.json()["left_alone"] == [{"name": name, "reason": "foreign files", "foreign": ["weights/README"]}]
     human = run_cli("gc", str(run))
     assert f"left alone {name} (foreign files" in human.stdout
+    listed = run_cli("ls", str(run))
+    assert listed.exit_code == 0 and f"{name}: 1 file(s) no ckptfmt writer made" in listed.stderr
     assert snapshot(run / name) == before
 
 

@@ -91,7 +91,7 @@ def _open_dir(dir_fd: int, name: str, path: str, *, create: bool = False) -> int
                 except OSError:
                     what = "not a directory"
                 raise UnsafePathError(
-                    f"component {name!r} is {what}; nothing below a checkpoint root is followed", path=path
+                    f"component {name!r} is {what}; nothing below the root is followed", path=path
                 ) from exc
             raise StorageError(f"cannot open directory {name!r}: {exc}", path=path) from exc
     raise StorageError(f"directory {name!r} keeps disappearing", path=path)
