@@ -156,6 +156,7 @@ class ResumableDataLoader(DataLoader[T]):
             previous._sampler_iter = None
         if sampler.live:
             sampler.__iter__()  # raises the two-live-iterators error, naming the fix
+        sampler._spent = None  # this loader ends epochs itself (_handed, _finished), knowing its batch size
         # The workers' base seed is drawn from this generator, never from torch's global one; seeded per
         # (seed, epoch, rank) so that a resumed process gives an epoch's workers the seed they had before.
         self._generator.manual_seed(_mix("workers", self.seed, sampler.epoch, sampler.rank))
