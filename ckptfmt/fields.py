@@ -5,25 +5,30 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from datetime import datetime
 
 import numpy as np
 
 from .canonical import config_hash
 from .errors import ConfigHashMismatchError, ContextError
 
-_CREATED_AT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z")
+_CREATED_AT = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]+)?Z")
+_DAYS = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
 
 
 def _is_created_at(value: object) -> bool:
-    """RFC 3339 date-time in UTC, uppercase T and Z only (FLD-12), with valid field ranges."""
-    if not isinstance(value, str) or _CREATED_AT.fullmatch(value) is None:
+    """RFC 3339 date-time in UTC, uppercase T and Z only, ASCII digits, valid field ranges (FLD-12).
+
+    Checked by hand rather than with ``datetime``: year 0000 is valid RFC 3339 (datetime starts at 1),
+    and ``\\d`` would admit non-ASCII digits. Second 60 (a leap second) is refused, as spec/fields.md says.
+    """
+    match = _CREATED_AT.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
         return False
-    try:
-        datetime.strptime(value[:19], "%Y-%m-%dT%H:%M:%S")
-    except ValueError:
+    year, month, day, hour, minute, second = (int(g) for g in match.groups()[:6])
+    if not 1 <= month <= 12 or hour > 23 or minute > 59 or second > 59:
         return False
-    return True
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    return 1 <= day <= _DAYS[month - 1] + (month == 2 and leap)
 
 
 def _rng_state_problem(kind: str, gen: Mapping[str, object]) -> str | None:
@@ -67,29 +72,44 @@ def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def _require(ok: bool, field: str, message: str) -> None:
+def _require(ok: bool, field: str, message: str, requirement: str | None = None) -> None:
     if not ok:
-        raise ContextError(message, field=field)
+        raise ContextError(message, field=field, requirement=requirement)
+
+
+_RNG_RULES = {
+    "python.random": "RNG-1",
+    "numpy.random_state": "RNG-2",
+    "numpy.bit_generator": "RNG-3",
+    "torch.cpu": "RNG-4",
+    "torch.cuda": "RNG-5",
+}
 
 
 def check_rng(value: Mapping[str, object]) -> None:
     generators = value.get("generators")
-    _require(isinstance(generators, dict), "rng", "'generators' must be a map of generator name to state")
+    _require(isinstance(generators, dict), "rng", "'generators' must be a map of generator name to state", "FLD-2")
     assert isinstance(generators, dict)
     for name, gen in generators.items():
         _require(
-            isinstance(gen, dict) and isinstance(gen.get("kind"), str) and "state" in gen,
+            isinstance(gen, dict) and isinstance(gen.get("kind"), str),
             "rng",
             f"generator {name!r} must be a map with a string 'kind' and a 'state'",
+            "FLD-3",
         )
+        _require("state" in gen, "rng", f"generator {name!r} must be a map with a string 'kind' and a 'state'", "FLD-4")
         problem = _rng_state_problem(gen["kind"], gen)
         if problem:
-            raise ContextError(f"generator {name!r} of kind {gen['kind']!r}: {problem}", field="rng")
+            raise ContextError(
+                f"generator {name!r} of kind {gen['kind']!r}: {problem}",
+                field="rng",
+                requirement=_RNG_RULES.get(gen["kind"]),
+            )
 
 
 def check_data(value: Mapping[str, object]) -> None:
-    for key in ("epoch", "global_sample_offset"):
-        _require(_is_count(value.get(key)), "data", f"{key!r} must be a non-negative integer")
+    for key, rule in (("epoch", "FLD-5"), ("global_sample_offset", "FLD-6")):
+        _require(_is_count(value.get(key)), "data", f"{key!r} must be a non-negative integer", rule)
     quarantined = value.get("quarantined_shards", [])
     _require(
         isinstance(quarantined, list) and all(isinstance(s, str) for s in quarantined),
@@ -124,17 +144,19 @@ def _is_json(value: object) -> bool:
 def check_config(value: Mapping[str, object]) -> None:
     config = value.get("config")
     stored = value.get("hash")
-    _require(isinstance(config, dict), "config", "'config' must be a map")
-    _require(_is_json(config), "config", "'config' must hold no bin, no ext value and no NaN or infinity")
-    _require(isinstance(stored, str), "config", "'hash' must be a string 'sha256:<hex>'")
+    _require(isinstance(config, dict), "config", "'config' must be a map", "FLD-7")
+    _require(_is_json(config), "config", "'config' must hold no bin, no ext value and no NaN or infinity", "FLD-7")
+    _require(isinstance(stored, str), "config", "'hash' must be a string 'sha256:<hex>'", "FLD-8")
     actual = config_hash(config)
     if actual != stored:
-        raise ConfigHashMismatchError(f"stored hash {stored} but the config hashes to {actual}", field="config")
+        raise ConfigHashMismatchError(
+            f"stored hash {stored} but the config hashes to {actual}", field="config", requirement="FLD-9"
+        )
 
 
 def check_topology(value: Mapping[str, object]) -> None:
     world = value.get("world_size")
-    _require(type(world) is int and world >= 1, "topology", "'world_size' must be a positive integer")
+    _require(type(world) is int and world >= 1, "topology", "'world_size' must be a positive integer", "FLD-10")
 
 
 def check_provenance(value: Mapping[str, object]) -> None:
@@ -143,11 +165,13 @@ def check_provenance(value: Mapping[str, object]) -> None:
         isinstance(writer, dict) and isinstance(writer.get("name"), str) and isinstance(writer.get("version"), str),
         "provenance",
         "'writer' must be a map with string 'name' and 'version'",
+        "FLD-11",
     )
     _require(
         _is_created_at(value.get("created_at")),
         "provenance",
         "'created_at' must be an RFC 3339 UTC timestamp like 2025-01-01T00:00:00Z",
+        "FLD-12",
     )
 
 

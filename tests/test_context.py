@@ -387,3 +387,59 @@ def test_random_maps_round_trip(value: dict[str, Any]) -> None:
     data = encode(value)
     assert decode(data) == value
     assert encode(decode(data)) == data  # and re-encoding is stable
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("2024-02-29T00:00:00Z", True),
+        ("2000-02-29T23:59:59.999999999Z", True),
+        ("0000-02-29T00:00:00Z", True),  # year 0000 is RFC 3339, and a leap year
+        ("9999-12-31T23:59:59Z", True),
+        ("2016-12-31T23:59:60Z", False),  # a leap second: refused (spec/fields.md)
+        ("2025-02-29T00:00:00Z", False),
+        ("1900-02-29T00:00:00Z", False),
+        ("2025-04-31T00:00:00Z", False),
+        ("2025-01-00T00:00:00Z", False),
+        ("2025-00-01T00:00:00Z", False),
+        ("2025-01-01T24:00:00Z", False),
+        ("2025-01-01T00:60:00Z", False),
+        ("\u0662\u0660\u0662\u0665-01-01T00:00:00Z", False),  # non-ASCII digits
+        ("2025-01-01T00:00:00.Z", False),
+    ],
+)
+def test_created_at_ranges(value: str, ok: bool) -> None:
+    from ckptfmt.fields import check_standard_field
+
+    provenance = {"writer": {"name": "x", "version": "1"}, "created_at": value}
+    if ok:
+        check_standard_field("provenance", provenance)
+    else:
+        with pytest.raises(ckptfmt.ContextError):
+            check_standard_field("provenance", provenance)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "requirement"),
+    [
+        ("rng", {"generators": []}, "FLD-2"),
+        ("rng", {"generators": {"g": ["k", None]}}, "FLD-3"),
+        ("rng", {"generators": {"g": {"kind": 1, "state": None}}}, "FLD-3"),
+        ("rng", {"generators": {"g": {"kind": "org.example"}}}, "FLD-4"),
+        ("rng", {"generators": {"g": {"kind": "torch.cpu", "state": b"\x00"}}}, "RNG-4"),
+        ("data", {"global_sample_offset": 0}, "FLD-5"),
+        ("data", {"epoch": 0, "global_sample_offset": -1}, "FLD-6"),
+        ("config", {"config": [], "hash": "x"}, "FLD-7"),
+        ("config", {"config": {}, "hash": 1}, "FLD-8"),
+        ("config", {"config": {}, "hash": "sha256:" + "0" * 64}, "FLD-9"),
+        ("topology", {"world_size": 0}, "FLD-10"),
+        ("provenance", {"created_at": "2025-01-01T00:00:00Z"}, "FLD-11"),
+        ("provenance", {"writer": {"name": "x", "version": "1"}, "created_at": "2025"}, "FLD-12"),
+    ],
+)
+def test_standard_field_refusals_name_their_requirement(field: str, value: dict[str, Any], requirement: str) -> None:
+    from ckptfmt.fields import check_standard_field
+
+    with pytest.raises(ckptfmt.ContextError) as info:
+        check_standard_field(field, value)
+    assert info.value.requirement == requirement and info.value.field == field
