@@ -13,6 +13,7 @@ def cli() -> None:
     """Inspect, verify, list, diff, convert and garbage-collect ckptfmt checkpoints (local paths or fsspec URLs)."""
 
 
+from .conformance import conformance_cmd  # noqa: E402
 from .convert import convert_cmd  # noqa: E402
 from .diff import diff_cmd  # noqa: E402
 from .dump import dump_cmd  # noqa: E402
@@ -28,3 +29,4 @@ cli.add_command(diff_cmd)
 cli.add_command(convert_cmd)
 cli.add_command(dump_cmd)
 cli.add_command(gc_cmd)
+cli.add_command(conformance_cmd)

@@ -1,47 +1,62 @@
-"""``python -m conformance {run,generate,check}`` (protocol in conformance/README.md)."""
+"""``python -m conformance {run,vectors,generate,check}`` (protocol in conformance/README.md).
+
+From a checkout this is the same runner as the installed ``ckpt conformance run``; ``generate`` and
+``check`` need the repository (they write the committed vectors and read spec/).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
+import shutil
 import sys
 from pathlib import Path
 
 from . import VECTORS
 
 
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    run.add_argument("--reader", metavar="CMD", help="reader command; called as CMD <checkpoint dir>")
+    run.add_argument("--writer", metavar="CMD", help="writer command; called as CMD <writer-input.json> <out dir>")
+    run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="reader processes at once (default: CPUs)")
+    run.add_argument("--timeout", type=float, default=120.0, help="seconds an adapter may take per call (120)")
+    run.add_argument("--vectors", type=Path, default=None, help="vector tree (default: the suite's own)")
+    run.add_argument("--only", action="append", default=[], metavar="PATTERN", help="vector name or requirement ID")
+    run.add_argument("--skip", action="append", default=[], metavar="PATTERN", help="vector name or requirement ID")
+    run.add_argument("--json", dest="json_path", type=Path, metavar="FILE", help="write every result as JSON")
+    run.add_argument("--junit-xml", type=Path, metavar="FILE", help="write a JUnit XML file, a case per vector")
+    run.add_argument("--report", type=Path, metavar="FILE", help="write a markdown conformance report")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a reader or a writer over the vectors and print a table")
-    who = run.add_mutually_exclusive_group(required=True)
-    who.add_argument("--reader", metavar="CMD", help="reader command; called as CMD <checkpoint dir>")
-    who.add_argument("--writer", metavar="CMD", help="writer command; called as CMD <writer-input.json> <out dir>")
-    run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="reader processes at once (default: CPUs)")
-    run.add_argument("--vectors", type=Path, default=VECTORS, help="vector tree (default: the committed one)")
+    add_run_arguments(sub.add_parser("run", help="run a reader and/or a writer over the vectors"))
+    vec = sub.add_parser("vectors", help="print where the vectors are (generating them once if installed)")
+    vec.add_argument("--out", type=Path, help="copy them there instead (symlinks and hidden files kept)")
     gen = sub.add_parser("generate", help="regenerate the vectors from valid.py, invalid_*.py and scenarios.py")
     gen.add_argument("--out", type=Path, default=VECTORS, help="where to write them (default: conformance/vectors)")
     sub.add_parser("check", help="traceability: every spec requirement is covered")
     args = parser.parse_args(argv)
 
     if args.command == "run":
-        from .runner import print_table, reader_rows, writer_rows
+        from .session import Options, run
 
-        try:
-            if args.reader:
-                rows = reader_rows(shlex.split(args.reader), args.vectors, args.jobs)
-            else:
-                from .writer_checks import CHECKS, DETERMINISM
-
-                ids = ", ".join([rid for rid, _ in CHECKS] + [DETERMINISM])
-                print(f"every checkpoint written is read back by the reference reader and checked for {ids}")
-                rows = writer_rows(shlex.split(args.writer), args.vectors)
-        except OSError as exc:  # the command cannot be started at all
-            print(f"cannot run {args.reader or args.writer!r}: {exc}", file=sys.stderr)
-            return 2
-        print_table(rows, sys.stdout)
-        return 0 if rows and all(r.ok for r in rows) else 1
+        options = Options(
+            reader=args.reader,
+            writer=args.writer,
+            jobs=args.jobs,
+            timeout=args.timeout,
+            vectors=args.vectors,
+            only=tuple(args.only),
+            skip=tuple(args.skip),
+            json_path=args.json_path,
+            junit_xml=args.junit_xml,
+            report=args.report,
+        )
+        return run(options, sys.stdout, sys.stderr)
+    if args.command == "vectors":
+        return print_vectors(args.out)
     if args.command == "generate":
         from .generate import generate
 
@@ -59,6 +74,21 @@ def main(argv: list[str] | None = None) -> int:
         f"(coverage.json); {len(result.problems)} problem(s)"
     )
     return 0 if result.ok else 1
+
+
+def print_vectors(out: Path | None) -> int:
+    from .suite import vectors_root
+
+    root = vectors_root()
+    if out is None:
+        print(root)
+        return 0
+    if out.exists():
+        print(f"{out} exists; give a new directory", file=sys.stderr)
+        return 2
+    shutil.copytree(root, out, symlinks=True)
+    print(out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""``run --reader CMD`` and ``run --writer CMD``: run an implementation over the vectors and print a table.
+"""Run an implementation's adapters over the vectors: one :class:`~.results.Result` per vector.
 
-Reader: ``CMD <vector>/checkpoint`` must print the expected description (valid) or exit non-zero
-(invalid). Writer: ``CMD <writer-input.json> <out_dir>`` must write a checkpoint whose content the
-reference reader returns as the input describes, passing every writer check, twice byte-identically;
-and must refuse each writer scenario, leaving its output directory as the scenario says.
+Reader: ``CMD <vector>/checkpoint`` must print the expected description (valid) or refuse
+(invalid); the judge is conformance/classify.py. Writer: ``CMD <writer-input.json> <out_dir>`` must
+write a checkpoint whose content the reference reader returns as the input describes, passing every
+writer check, twice byte-identically; and must refuse each writer scenario, leaving its output
+directory as the scenario says.
 """
 
 from __future__ import annotations
@@ -12,100 +13,87 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
-from ckptfmt.canonical import canonical_json
 from ckptfmt.describe import describe
 from ckptfmt.errors import CheckpointError
 
+from .classify import Exchange, compare, judge_invalid, judge_valid
+from .results import Kind, Result
+from .suite import Vector
 from .values import expected_description, load
-from .writer_checks import DETERMINISM, run_checks
+from .writer_checks import CHECKS, DETERMINISM, run_checks
 
-TIMEOUT = 120
-TIMED_OUT = -1000  # not a real exit status: a hung reader neither accepts nor refuses
+TIMEOUT = 120.0
+STDOUT_LIMIT = 64 << 20  # a description longer than this is not one (the largest vector's is a few KiB)
+STDERR_LIMIT = 64 << 10  # kept for the reports: the start of what the adapter said
 
 
-@dataclass(frozen=True)
-class Row:
-    vector: str
-    requirements: str
-    expected: str
-    got: str
-    ok: bool
+def _read(stream: IO[bytes], limit: int) -> str:
+    stream.seek(0)
+    data = stream.read(limit + 1)
+    text = data[:limit].decode("utf-8", errors="replace")  # an adapter's bytes need not be UTF-8
+    return text + ("\n[... truncated]" if len(data) > limit else "")
+
+
+def call(cmd: list[str], *args: Path, timeout: float = TIMEOUT) -> Exchange:
+    """Run the adapter with its output in files (bounded reads; a grandchild holding a pipe cannot hang us)."""
+    argv = (*cmd, *map(str, args))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        try:
+            status: int | None = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, timeout=timeout, check=False
+            ).returncode
+        except subprocess.TimeoutExpired:
+            status = None
+        seconds = time.monotonic() - start
+        return Exchange(
+            argv=argv,
+            status=status,
+            stdout=_read(out, STDOUT_LIMIT),
+            stderr=_read(err, STDERR_LIMIT),
+            seconds=seconds,
+            timeout=timeout,
+        )
 
 
 def _json(path: Path) -> Any:
     return json.loads(path.read_bytes())
 
 
-def _dirs(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-
-
-def _call(cmd: list[str], *args: Path) -> subprocess.CompletedProcess[str]:
-    """Run the adapter; a run that does not finish in time gets the exit status ``TIMED_OUT``."""
-    argv = [*cmd, *map(str, args)]
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(argv, TIMED_OUT, "", f"no answer in {TIMEOUT} s")
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:100] if lines else ""
-
-
-def _first_difference(got: Any, want: Any, where: str = "$") -> str:
-    if isinstance(got, dict) and isinstance(want, dict):
-        for key in sorted(set(got) | set(want)):
-            if key not in got or key not in want:
-                return f"{where}.{key} {'missing' if key not in got else 'unexpected'}"
-            if got[key] != want[key]:
-                return _first_difference(got[key], want[key], f"{where}.{key}")
-    if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            if g != w:
-                return _first_difference(g, w, f"{where}[{i}]")
-    return f"{where} differs"
-
-
-def _compare(got: Any, want: Any) -> str | None:
-    """None when equal, else where they first differ (both compared as canonical JSON)."""
-    try:
-        if canonical_json(got) == canonical_json(want):
-            return None
-    except CheckpointError as exc:  # a float NaN, a non-JSON value...
-        return f"not a description: {exc.message}"
-    return _first_difference(got, want)
-
-
-def _reader_row(cmd: list[str], vec: Path) -> Row:
-    proc = _call(cmd, vec / "checkpoint")
-    if vec.parent.name == "invalid":
-        expected = _json(vec / "expected.json")
-        got = {0: "accepted", TIMED_OUT: "no answer"}.get(proc.returncode, "rejected")
-        return Row(f"invalid/{vec.name}", ",".join(expected["requirements"]), "rejected", got, got == "rejected")
-    about = _json(vec / "about.json")
-    if proc.returncode != 0:
-        got = f"rejected: {_last_line(proc.stderr)}"
+def _reader_result(cmd: list[str], vec: Vector, timeout: float) -> Result:
+    ex = call(cmd, vec.path / "checkpoint", timeout=timeout)
+    if vec.kind == "invalid":
+        verdict, expected = judge_invalid(ex, vec.requirements, vec.also), "rejected"
     else:
-        try:
-            problem = _compare(json.loads(proc.stdout), _json(vec / "expected.json"))
-        except ValueError as exc:
-            problem = f"stdout is not JSON: {exc}"
-        got = "same content" if problem is None else f"different content: {problem}"
-    return Row(f"valid/{vec.name}", ",".join(about["requirements"]), "accepted", got, got == "same content")
+        verdict, expected = judge_valid(ex, _json(vec.path / "expected.json")), "accepted"
+    return Result(
+        vector=vec.name,
+        direction="reader",
+        requirements=vec.requirements,
+        also=vec.also,
+        expected=expected,
+        got=verdict.got,
+        kind=verdict.kind,
+        detail=verdict.detail,
+        checked=vec.requirements,
+        failed=() if verdict.kind is Kind.PASSED else vec.requirements,
+        exit_status=ex.status,
+        stdout="" if verdict.kind is Kind.PASSED else ex.stdout[:STDERR_LIMIT],
+        stderr=ex.stderr,
+        seconds=ex.seconds,
+    )
 
 
-def reader_rows(cmd: list[str], vectors: Path, jobs: int = 1) -> list[Row]:
-    """One row per valid and invalid vector, running up to ``jobs`` reader processes at once."""
-    todo = _dirs(vectors / "valid") + _dirs(vectors / "invalid")
+def run_reader(cmd: list[str], todo: list[Vector], jobs: int = 1, timeout: float = TIMEOUT) -> list[Result]:
+    """One result per valid and invalid vector of ``todo``, running up to ``jobs`` reader processes at once."""
+    todo = [v for v in todo if v.kind in ("valid", "invalid")]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(lambda vec: _reader_row(cmd, vec), todo))
+        return list(pool.map(lambda vec: _reader_result(cmd, vec, timeout), todo))
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -122,65 +110,98 @@ def _tree(root: Path) -> dict[str, bytes]:
     return out
 
 
-def _write_valid(cmd: list[str], vec: Path, tmp: Path) -> str:
-    """'' when the writer passes on this input, else what went wrong."""
-    source = vec / "writer-input.json"
+def _write_valid(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Result:
+    source = vec.path / "writer-input.json"
     first, second = tmp / "first", tmp / "second"
-    proc = _call(cmd, source, first)
-    if proc.returncode != 0:
-        return f"writer failed: {_last_line(proc.stderr)}"
-    try:
-        got = describe(first)
-    except CheckpointError as exc:
-        return f"reference reader refuses it: [{exc.code}] {exc.message}"[:160]
-    want = expected_description(load(source.read_bytes()))
-    want["format_version"] = "1.0"  # what a writer of this specification writes (VER-1)
-    problems = [f"content: {d}"] if (d := _compare(got, want)) else []
-    problems += [f"{rid}: {message}" for rid, message in run_checks(first, proc.stdout)]
-    again = _call(cmd, source, second)
-    if again.returncode != 0 or _tree(first) != _tree(second):
-        problems.append(f"{DETERMINISM}: a second run gave different bytes")
-    return "; ".join(problems)[:300]
-
-
-def writer_rows(cmd: list[str], vectors: Path) -> list[Row]:
-    rows = []
-    for vec in _dirs(vectors / "valid"):
-        if not (vec / "writer-input.json").exists():
-            continue
-        about = _json(vec / "about.json")
-        with tempfile.TemporaryDirectory(prefix="ckptfmt-conformance-") as tmp:
-            problem = _write_valid(cmd, vec, Path(tmp))
-        rows.append(
-            Row(f"valid/{vec.name}", ",".join(about["requirements"]), "written", problem or "written", not problem)
-        )
-    for vec in _dirs(vectors / "writer"):
-        expected = _json(vec / "expected.json")
-        with tempfile.TemporaryDirectory(prefix="ckptfmt-conformance-") as tmp:
-            out = Path(tmp) / "out"
-            if (vec / "setup").is_dir():
-                shutil.copytree(vec / "setup", out, symlinks=True)
-            before = _tree(out)
-            proc = _call(cmd, vec / "writer-input.json", out)
-            after = _tree(out)
-        if proc.returncode in (0, TIMED_OUT):
-            got = "written" if proc.returncode == 0 else "no answer"
-        elif expected["after"] == "unchanged" and after != before:
-            got = "refused, but changed the directory"
-        elif expected["after"] == "empty" and after:
-            got = f"refused, but left {len(after)} file(s)"
+    ex = call(cmd, source, first, timeout=timeout)
+    seconds = ex.seconds
+    problems: list[tuple[Kind, tuple[str, ...], str]] = []  # kind, the IDs it fails, message
+    checked: tuple[str, ...] = vec.requirements
+    if ex.status is None:
+        problems.append((Kind.NO_ANSWER, vec.requirements, f"no answer in {timeout:g} s"))
+    elif ex.status != 0:
+        problems.append((Kind.WRITE_FAILED, vec.requirements, f"writer failed: {_last_line(ex.stderr)}"))
+    else:
+        try:
+            written = describe(first)
+        except CheckpointError as exc:
+            message = f"reference reader refuses it: [{exc.code}] {exc.message}"[:160]
+            problems.append((Kind.UNREADABLE, vec.requirements, message))
         else:
-            got = "refused"
-        rows.append(Row(f"writer/{vec.name}", ",".join(expected["requirements"]), "refused", got, got == "refused"))
-    return rows
+            checked = (*vec.requirements, *(rid for rid, _ in CHECKS), DETERMINISM)
+            want = expected_description(load(source.read_bytes()))
+            want["format_version"] = "1.0"  # what a writer of this specification writes (VER-1)
+            if (difference := compare(written, want)) is not None:
+                problems.append((Kind.WRONG_CONTENT, vec.requirements, f"content: {difference}"))
+            for rid, message in run_checks(first, ex.stdout):
+                problems.append((Kind.CHECK_FAILED, (rid,), f"{rid}: {message}"))
+            again = call(cmd, source, second, timeout=timeout)
+            seconds += again.seconds
+            if again.status != 0 or _tree(first) != _tree(second):
+                message = f"{DETERMINISM}: a second run gave different bytes"
+                problems.append((Kind.NOT_DETERMINISTIC, (DETERMINISM,), message))
+    messages = "; ".join(message for _, _, message in problems)
+    return Result(
+        vector=vec.name,
+        direction="writer",
+        requirements=vec.requirements,
+        expected="written",
+        got=messages[:300] or "written",
+        kind=problems[0][0] if problems else Kind.PASSED,
+        detail=messages,
+        checked=checked,
+        failed=tuple(dict.fromkeys(rid for _, rids, _ in problems for rid in rids)),
+        exit_status=ex.status,
+        stdout=ex.stdout[:STDERR_LIMIT] if problems else "",
+        stderr=ex.stderr,
+        seconds=seconds,
+    )
 
 
-def print_table(rows: list[Row], stream: TextIO) -> None:
-    """One line per row: vector, requirement IDs, expected, got, pass/fail; then ``N passed, N failed``."""
-    header = ["vector", "requirements", "expected", "got", "result"]
-    lines = [[r.vector, r.requirements, r.expected, r.got, "pass" if r.ok else "FAIL"] for r in rows]
-    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(4)]
-    for line in [header, *lines]:
-        print("  ".join([*(c.ljust(w) for c, w in zip(line, widths, strict=False)), line[4]]), file=stream)
-    passed = sum(r.ok for r in rows)
-    print(f"{passed} passed, {len(rows) - passed} failed", file=stream)
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:100] if lines else ""
+
+
+def _scenario(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Result:
+    out = tmp / "out"
+    if (vec.path / "setup").is_dir():
+        shutil.copytree(vec.path / "setup", out, symlinks=True)
+    before = _tree(out)
+    ex = call(cmd, vec.path / "writer-input.json", out, timeout=timeout)
+    after = _tree(out)
+    if ex.status is None:
+        kind, got = Kind.NO_ANSWER, "no answer"
+    elif ex.status == 0:
+        kind, got = Kind.NOT_REFUSED, "written"
+    elif vec.doc["after"] == "unchanged" and after != before:
+        changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+        kind, got = Kind.LEFT_CHANGES, f"refused, but changed the directory: {', '.join(changed)[:100]}"
+    elif vec.doc["after"] == "empty" and after:
+        kind, got = Kind.LEFT_CHANGES, f"refused, but left {len(after)} file(s)"
+    else:
+        kind, got = Kind.PASSED, "refused"
+    return Result(
+        vector=vec.name,
+        direction="writer",
+        requirements=vec.requirements,
+        expected="refused",
+        got=got,
+        kind=kind,
+        detail="" if kind is Kind.PASSED else got,
+        checked=vec.requirements,
+        failed=() if kind is Kind.PASSED else vec.requirements,
+        exit_status=ex.status,
+        stderr=ex.stderr,
+        seconds=ex.seconds,
+    )
+
+
+def run_writer(cmd: list[str], todo: list[Vector], timeout: float = TIMEOUT) -> list[Result]:
+    """One result per writer input (valid vectors that have one) and per writer scenario of ``todo``."""
+    results = []
+    for vec in (v for v in todo if v.writes):
+        with tempfile.TemporaryDirectory(prefix="ckptfmt-conformance-") as tmp:
+            run = _scenario if vec.kind == "writer" else _write_valid
+            results.append(run(cmd, vec, Path(tmp), timeout))
+    return results

@@ -1,0 +1,94 @@
+"""One run of the suite as both front ends do it (``ckpt conformance run``, ``python -m conformance run``).
+
+Prints the suite and spec versions first, then one line per vector, then exactly ``N passed, N failed``;
+writes the requested files (JSON, JUnit XML, markdown report); returns the exit status: 0 every
+vector passed, 1 any failed, 2 nothing to run or an adapter that cannot be started.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from . import COVERAGE
+from .junit import write_junit_xml
+from .report import write_report
+from .results import Result, Run
+from .runner import TIMEOUT, run_reader, run_writer
+from .suite import known_ids, select, suite, vectors, vectors_root
+from .writer_checks import CHECKS, DETERMINISM
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    reader: str | None = None  # CMD <checkpoint dir>
+    writer: str | None = None  # CMD <writer-input.json> <out dir>
+    jobs: int = 1
+    timeout: float = TIMEOUT
+    vectors: Path | None = None  # default: the committed tree, or this installation's generated one
+    only: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()
+    json_path: Path | None = None
+    junit_xml: Path | None = None
+    report: Path | None = None
+
+
+def print_table(results: list[Result], out: TextIO) -> None:
+    """One line per result: vector, requirement IDs, expected, got, pass/FAIL; then ``N passed, N failed``."""
+    header = ["vector", "requirements", "expected", "got", "result"]
+    lines = [[r.vector, ",".join(r.requirements), r.expected, r.got, "pass" if r.ok else "FAIL"] for r in results]
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(4)]
+    for line in [header, *lines]:
+        print("  ".join([*(c.ljust(w) for c, w in zip(line, widths, strict=False)), line[4]]), file=out)
+    passed = sum(r.ok for r in results)
+    print(f"{passed} passed, {len(results) - passed} failed", file=out)
+
+
+def run(options: Options, out: TextIO, err: TextIO) -> int:
+    if not (options.reader or options.writer):
+        print("give --reader CMD, --writer CMD or both", file=err)
+        return 2
+    root = vectors_root(options.vectors)
+    everything = vectors(root)
+    chosen = select(everything, options.only, options.skip)
+    about = suite(root)
+    print(about.line, file=out)
+    commands = {d: c for d, c in (("reader", options.reader), ("writer", options.writer)) if c}
+    todo = [v for v in chosen if v.kind != "writer"] if options.reader else []
+    writes = [v for v in chosen if v.writes] if options.writer else []
+    if not todo and not writes:
+        print(f"no vector of {root} matches --only {options.only} --skip {options.skip}", file=err)
+        return 2
+    start = time.monotonic()
+    results: list[Result] = []
+    try:
+        if options.reader:
+            results += run_reader(shlex.split(options.reader), todo, options.jobs, options.timeout)
+        if options.writer:
+            ids = ", ".join([rid for rid, _ in CHECKS] + [DETERMINISM])
+            print(f"every checkpoint written is read back by the reference reader and checked for {ids}", file=out)
+            results += run_writer(shlex.split(options.writer), writes, options.timeout)
+    except OSError as exc:  # the command cannot be started at all
+        print(f"cannot run {options.reader or options.writer!r}: {exc}", file=err)
+        return 2
+    untested = json.loads(COVERAGE.read_bytes()) if COVERAGE.is_file() else {}
+    result = Run(
+        suite=about,
+        commands=commands,
+        results=results,
+        seconds=time.monotonic() - start,
+        untested=untested,
+        known=known_ids(everything) - set(untested),
+    )
+    print_table(results, out)
+    if options.json_path:
+        options.json_path.write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n")
+    if options.junit_xml:
+        write_junit_xml(result, options.junit_xml)
+    if options.report:
+        write_report(result, options.report)
+    return 0 if result.ok else 1
