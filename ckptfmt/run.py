@@ -33,13 +33,14 @@ PINS_NAME = "pins.json"
 MAX_POINTER_BYTES = 1 << 20  # latest.json and pins.json: a name, a step, an id; a list of names
 _STEP = re.compile(r"(\d+)$")
 Status = Literal["committed", "incomplete", "writing", "invalid manifest"]
-# What a ckptfmt writer makes in a checkpoint root (spec/layout.md, ckptfmt/layout.py), matched exactly:
-# manifest.json, .writer-lock, <field>/r<RANK>-<SEQ>.safetensors, <field>/context.msgpack, and the temp
-# names ".<name>.tmp-<12 hex>" both LocalStore and the fsspec rename path write them under.
+# What a ckptfmt writer makes in a checkpoint root (spec/layout.md LAY-1, ckptfmt/layout.py), matched
+# exactly: manifest.json, .writer-lock, <field>/r<RANK>-<SEQ>.safetensors, <field>/context.msgpack,
+# <field>/context.r<RANK>.msgpack (a rank other than 0), and the temp names ".<name>.tmp-<12 hex>" both
+# LocalStore and the fsspec rename path write them under.
 _FIELD = r"[a-z][a-z0-9_]{0,63}"
 _FINAL = re.compile(
     rf"{re.escape(MANIFEST_NAME)}|{re.escape(LOCK_NAME)}"
-    rf"|{_FIELD}/(?:r\d{{5,}}-\d{{5,}}{re.escape(DATA_SUFFIX)}|{re.escape(CONTEXT_NAME)})"
+    rf"|{_FIELD}/(?:r\d{{5,}}-\d{{5,}}{re.escape(DATA_SUFFIX)}|{re.escape(CONTEXT_NAME)}|context\.r\d{{5,}}\.msgpack)"
 )
 _TEMP = re.compile(r"(?:(?P<dir>[^/]+)/)?\.(?P<name>[^/]+)\.tmp-[0-9a-f]{12}")
 # A writer lock from another host is presumed live for this long: its holder's pid cannot be checked from here.
