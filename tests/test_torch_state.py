@@ -38,6 +38,7 @@ from ckptfmt.errors import (
 )
 from ckptfmt.run import RunDirectory, checkpoint_name
 from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableSampler, api
+from ckptfmt.torch import state as state_mod
 
 # ---------------------------------------------------------------- helpers
 
@@ -719,3 +720,62 @@ def test_a_failed_apply_leaves_every_live_object_as_it_was(tmp_path: Path) -> No
     api.load(url, model=model, optimizer=opt, sampler=sampler, scheduler=sched,
              generators={"aug": np.random.default_rng(0)})  # fmt: skip
     assert sampler.consumed == 2
+
+
+def test_manager_on_two_ranks_saves_together_and_restores_the_same_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ranks as threads (ThreadCollective): one checkpoint per step written by both, the run directory kept by
+    rank 0; a checkpoint that only rank 1 cannot read is skipped by both, so the job never splits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptfmt.collective import ThreadCollective
+
+    run = tmp_path / "run"
+    group = ThreadCollective.group(2)
+
+    built = [tiny_state() for _ in range(2)]  # here, not in the threads: torch's global RNG is one for all
+
+    def save(rank: int) -> dict[int, dict[str, torch.Tensor]]:
+        model, opt, _ = built[rank]
+        sampler = ResumableSampler(32, seed=0, rank=rank, world_size=2)
+        states = {}
+        with CheckpointManager(run, keep_last=None, collective=group[rank]) as mgr:
+            for step in (2, 4, 6):
+                train(model, opt, 2, seed=step)
+                sampler.advance(2)
+                mgr.save(step, model=model, optimizer=opt, sampler=sampler, config={"k": 1})
+                states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        return states
+
+    with ThreadPoolExecutor(2) as pool:
+        saved = list(pool.map(save, range(2)))
+    latest = RunDirectory(run).latest()
+    assert latest is not None and latest["step"] == 6
+    assert ckptfmt.open(str(run / checkpoint_name(6))).read_context("data")["global_sample_offset"] == 12
+
+    real = state_mod.read_snapshot
+
+    def read_snapshot(ckpt: Any, *args: Any) -> Any:
+        if threading.current_thread().name.endswith("_1") and ckpt.url.rstrip("/").endswith(checkpoint_name(6)):
+            raise OSError("rank 1 lost its connection to the store")
+        return real(ckpt, *args)
+
+    monkeypatch.setattr(state_mod, "read_snapshot", read_snapshot)
+
+    fresh = [tiny_state(seed=9) for _ in range(2)]
+
+    def restore(rank: int) -> tuple[int | None, dict[str, torch.Tensor], int]:
+        model, opt, _ = fresh[rank]
+        sampler = ResumableSampler(32, seed=0, rank=rank, world_size=2)
+        step = CheckpointManager(run, collective=group[rank]).restore_latest(
+            model=model, optimizer=opt, sampler=sampler
+        )
+        return step, model.state_dict(), sampler.consumed
+
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"), ThreadPoolExecutor(2) as pool:
+        restored = list(pool.map(restore, range(2)))
+    for step, weights, consumed in restored:
+        assert step == 4 and consumed == 8
+        assert_same(weights, saved[0][4])
+    assert any("another rank cannot use it" in r.getMessage() for r in caplog.records)

@@ -38,13 +38,9 @@ class Restored:
 
 def _collective(process_group: Any = None) -> Any:
     """A :class:`~ckptfmt.torch.collective.TorchCollective` when several ranks save together, else None."""
-    import torch.distributed as dist
+    from .collective import default_collective
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return None
-    from .collective import TorchCollective
-
-    return TorchCollective(process_group)
+    return default_collective(process_group)
 
 
 def data_source(*, sampler: Any = None, loader: Any = None) -> Any:

@@ -25,6 +25,7 @@ not change parameters or optimizer state in place by other means.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from .. import provenance as prov
+from ..collective import Collective
 from ..reader import open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
@@ -60,6 +62,8 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         on_mismatch: Policy | None = None,
         loader: Any = None,
+        process_group: Any = None,
+        collective: Collective | None = None,
         preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,),
         exit_on_preemption: bool = True,
         verify_on_restore: bool = False,
@@ -73,6 +77,9 @@ class CheckpointManager:
         self.on_mismatch: Policy = on_mismatch or "warn"
         self.data_policy: Policy = on_mismatch or "strict"
         self.loader = loader
+        # Several ranks (torch.distributed initialized, or an explicit collective): every rank calls the same
+        # methods together; each writes its shards, rank 0 keeps the run directory, and a restore agrees.
+        self.collective: Collective | None = collective if collective is not None else api._collective(process_group)
         self._step: int | None = None  # the step of the last restore or save: did steps pass since?
         self.exit_on_preemption = exit_on_preemption
         self.verify_on_restore = verify_on_restore
@@ -153,6 +160,7 @@ class CheckpointManager:
             config=config,
             data_policy=self.data_policy,
             steps_passed=step > (self._step or 0),
+            optimizer_by_name=self.collective is not None,
             parent=self.last_checkpoint_id,
             buffers=self._buffers if self.async_save else None,
             code=self._code,
@@ -187,16 +195,40 @@ class CheckpointManager:
 
     def _persist(self, name: str, step: int, snap: Snapshot) -> str:
         store = open_store(self.run.child_url(name), self.run.storage_options)
-        writer = CheckpointWriter(store, profile="training", overwrite=True)
+        writer = CheckpointWriter(store, profile="training", overwrite=True, collective=self.collective)
         try:
             ckpt_id = state.write_snapshot(writer, snap)
         except BaseException:
             writer.abort()
             raise
-        self.run.set_latest(name, step, ckpt_id)
         self.last_checkpoint_id = ckpt_id
-        self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect={name})
+        if self._is_coordinator:
+            self.run.set_latest(name, step, ckpt_id)
+            self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect={name})
         return ckpt_id
+
+    @property
+    def _is_coordinator(self) -> bool:
+        return self.collective is None or self.collective.rank == 0
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank can use the checkpoint at hand (one rank's failure fails it for all)."""
+        if self.collective is None:
+            return ok
+        votes = self.collective.gather(b"1" if ok else b"0", dst=0)
+        verdict = b"1" if votes is not None and all(v == b"1" for v in votes) else b"0"
+        return self.collective.broadcast(verdict if self.collective.rank == 0 else None, src=0) == b"1"
+
+    def _candidates(self) -> list[tuple[str, int | None, str]]:
+        """(name, step, status) of the run's checkpoints, newest first: rank 0's listing, on every rank."""
+        listing: list[tuple[str, int | None, str]] = [(e.name, e.step, e.status) for e in self.run.entries()]
+        if self.collective is None:
+            return listing
+        data = json.dumps(listing).encode() if self.collective.rank == 0 else None
+        return [
+            (str(n), s if isinstance(s, int) else None, str(t))
+            for n, s, t in json.loads(self.collective.broadcast(data, src=0))
+        ]
 
     def wait(self) -> str | None:
         """Block until the save in flight is durable; raise its error if it failed."""
@@ -244,43 +276,51 @@ class CheckpointManager:
         if sampler is None and loader is None:
             loader = self.loader
         source = api.data_source(sampler=sampler, loader=loader)
-        for entry in self.run.entries():
-            if entry.status != "committed":
-                log.warning("skipping %s: %s", entry.name, entry.status)
+        for entry_name, entry_step, status in self._candidates():
+            if status != "committed":
+                log.warning("skipping %s: %s", entry_name, status)
                 continue
-            url = self.run.child_url(entry.name)
+            url = self.run.child_url(entry_name)
             # Only a checkpoint that cannot be read, verified or used as a resume is skipped. Once it is in
             # memory, whole and verified, a refusal to apply it (a mismatch under "strict", a model of another
             # shape, a sampler with another seed) is the caller's to see: falling back to an older checkpoint,
-            # or to none, would silently train something else.
+            # or to none, would silently train something else. With several ranks, a checkpoint that one rank
+            # cannot read is skipped by all: the job never splits over two checkpoints.
+            snap: Snapshot | None = None
             try:
                 with open_checkpoint(url, self.run.storage_options) as ckpt:
-                    if self.verify_on_restore:
-                        report = ckpt.verify()
-                        if not report.ok:
-                            log.warning("skipping %s: %s", entry.name, "; ".join(map(str, report.problems[:3])))
-                            continue
-                    snap = state.read_snapshot(ckpt, state.load_targets(model))
-                    ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
+                    report = ckpt.verify() if self.verify_on_restore else None
+                    if report is not None and not report.ok:
+                        log.warning("skipping %s: %s", entry_name, "; ".join(map(str, report.problems[:3])))
+                    else:
+                        snap = state.read_snapshot(ckpt, state.load_targets(model))
+                        ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
             except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
-                log.warning("skipping %s: cannot be read: %s: %s", entry.name, type(exc).__name__, exc)
-                continue
-            missing = api.missing_fields(
-                snap,
-                optimizer=None if "optimizer" in skip_fields else optimizer,
-                sampler=None if "data" in skip_fields else source,
-                scheduler=scheduler,
-                scaler=scaler,
-                restore_rng="rng" not in skip_fields,
+                log.warning("skipping %s: cannot be read: %s: %s", entry_name, type(exc).__name__, exc)
+            missing = (
+                api.missing_fields(
+                    snap,
+                    optimizer=None if "optimizer" in skip_fields else optimizer,
+                    sampler=None if "data" in skip_fields else source,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    restore_rng="rng" not in skip_fields,
+                )
+                if snap is not None
+                else []
             )
             if missing:
                 log.warning(
                     "skipping %s: it has no %s field (profile %r), which this resume needs",
-                    entry.name,
+                    entry_name,
                     ", ".join(missing),
                     profile,
                 )
+            if not self._agree(snap is not None and not missing):
+                if snap is not None and not missing:
+                    log.warning("skipping %s: another rank cannot use it", entry_name)
                 continue
+            assert snap is not None
             restored = api.restore(
                 snap,
                 checkpoint_id=ckpt_id,
@@ -296,7 +336,7 @@ class CheckpointManager:
                 skip_fields=skip_fields,
             )
             self.last_checkpoint_id = restored.checkpoint_id
-            self._step = restored.step if restored.step is not None else entry.step
+            self._step = restored.step if restored.step is not None else entry_step
             return self._step
         return None
 
