@@ -122,7 +122,9 @@ def open_local(loc: Location) -> int:
     except MissingFileError:
         raise CheckpointNotFoundError("no such file or directory", path=loc.url) from None
     except UnsafePathError as exc:
-        raise UnsafePathError(f"{exc.message} (below the source {loc.root})", path=loc.url) from exc
+        linked = "symlink" in exc.message
+        hint = "; to convert linked files (a Hugging Face cache), copy them with `cp -rL`" if linked else ""
+        raise UnsafePathError(f"{exc.message} (below the source {loc.root}){hint}", path=loc.url) from exc
     except StorageError as exc:
         raise StorageError(exc.message, path=loc.url) from exc
 
