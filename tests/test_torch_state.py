@@ -779,3 +779,22 @@ def test_manager_on_two_ranks_saves_together_and_restores_the_same_checkpoint(
         assert step == 4 and consumed == 8
         assert_same(weights, saved[0][4])
     assert any("another rank cannot use it" in r.getMessage() for r in caplog.records)
+
+
+def test_restore_logs_a_change_of_topology(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    _manager_run(
+        run,
+        (2,),
+    )
+    model, opt, _ = tiny_state()
+    now = {"world_size": 2, "mesh": {"dims": ["dp"], "shape": [2]}}
+    monkeypatch.setattr(api, "topology", lambda mesh=None: now)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        CheckpointManager(run).restore_latest(model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0))
+    assert any(
+        r.getMessage() == f"resuming {checkpoint_name(2)} saved on 1 rank(s) on 2 rank(s) with mesh {{'dp': 2}}"
+        for r in caplog.records
+    )

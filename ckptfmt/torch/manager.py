@@ -337,18 +337,23 @@ class CheckpointManager:
             )
             self.last_checkpoint_id = restored.checkpoint_id
             self._step = restored.step if restored.step is not None else entry_step
+            _log_topology_change(entry_name, snap.contexts.get("topology", {}), api.topology())
             return self._step
         return None
 
     # ---------------------------------------------------------------- housekeeping
 
     def pin(self, step: int) -> None:
-        self.run.set_pinned(self.run.pinned() | {checkpoint_name(step)})
+        if self._is_coordinator:
+            self.run.set_pinned(self.run.pinned() | {checkpoint_name(step)})
 
     def unpin(self, step: int) -> None:
-        self.run.set_pinned(self.run.pinned() - {checkpoint_name(step)})
+        if self._is_coordinator:
+            self.run.set_pinned(self.run.pinned() - {checkpoint_name(step)})
 
     def gc(self) -> list[str]:
+        if not self._is_coordinator:
+            return []
         protect = {self._inflight_name} if self._inflight_name else set()
         return [e.name for e in self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)]
 
@@ -368,3 +373,17 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_topology_change(name: str, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Say so when a run resumes on another world size or mesh than it was saved on."""
+
+    def shape(topology: Mapping[str, Any]) -> str:
+        mesh = topology.get("mesh")
+        dims = ""
+        if isinstance(mesh, Mapping):
+            dims = f" with mesh {dict(zip(mesh.get('dims', []), mesh.get('shape', []), strict=False))}"
+        return f"{topology.get('world_size')} rank(s){dims}"
+
+    if saved.get("world_size") != now.get("world_size") or saved.get("mesh") != now.get("mesh"):
+        log.warning("resuming %s saved on %s on %s", name, shape(saved), shape(now))
