@@ -96,11 +96,28 @@ def judge_valid(ex: Exchange, expected: Any) -> Verdict:
         got = json.loads(ex.stdout)
     except ValueError as exc:
         return Verdict(kind=Kind.NOT_A_DESCRIPTION, got=f"stdout is not JSON: {exc}", detail=ex.stdout[:500])
+    if (where := _first_float(got)) is not None:
+        return Verdict(
+            kind=Kind.NOT_A_DESCRIPTION, got=f"stdout is not a description: a float at {where}", detail=ex.stdout[:500]
+        )
     problem = compare(got, expected)
     if problem is None:
         return Verdict(kind=Kind.PASSED, got="same content")
     kind = Kind.NOT_A_DESCRIPTION if problem.startswith("not a description") else Kind.WRONG_CONTENT
     return Verdict(kind=kind, got=f"different content: {problem}", detail=problem)
+
+
+def _first_float(value: Any, where: str = "$") -> str | None:
+    """Where the first non-integer number is: a description has none (floats are tagged, ``$float``)."""
+    if isinstance(value, float):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (
+            found := _first_float(item, f"{where}.{key}" if isinstance(value, dict) else f"{where}[{key}]")
+        ) is not None:
+            return found
+    return None
 
 
 def first_difference(got: Any, want: Any, where: str = "$") -> str:
