@@ -9,6 +9,7 @@ The same rules serve the trainer's CheckpointManager, ``ckpt ls`` and ``ckpt gc`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -366,10 +367,11 @@ class RunDirectory:
         protect: Iterable[str] = (),
         dry_run: bool = False,
     ) -> list[Entry]:
+        """Delete what :meth:`plan_gc` dooms; returns the doomed entries, each with ``foreign`` set to the
+        files its deletion left in place (not a writer's, a symlink or a special file)."""
         doomed = self.plan_gc(keep_last=keep_last, keep_every=keep_every, protect=protect)
         if not dry_run:
-            for entry in doomed:
-                self.delete(entry.name)
+            doomed = [dataclasses.replace(e, foreign=tuple(self.delete(e.name))) for e in doomed]
             # uploads a killed writer left in a checkpoint that is otherwise gone or committed
             live = {e.name for e in self.entries() if e.status == "writing"}
             for path, upload_id in self.store.pending_uploads():

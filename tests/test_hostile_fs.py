@@ -429,6 +429,16 @@ def test_gc_deletes_a_committed_checkpoints_files_one_by_one_and_leaves_the_rest
     }
 
 
+def test_gc_reports_a_symlink_where_a_listed_file_was(run: Path, outside: Sentinel) -> None:
+    data = run / checkpoint_name(1) / "weights" / "r00000-00000.safetensors"
+    data.unlink()
+    data.symlink_to(outside.ckpt / "weights" / "r00000-00000.safetensors")
+    result = run_cli("gc", str(run), "--keep-last", "2", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["deleted"][0]["left"] == ["weights/r00000-00000.safetensors"]
+    assert data.is_symlink() and not (run / checkpoint_name(1) / "manifest.json").exists()
+
+
 # ---------------------------------------------------------------- 7. run-directory hostility
 
 
