@@ -29,7 +29,14 @@ class VerificationError(CheckpointError):
     """Full verification found a problem; ``code`` is the code of the first problem reported."""
 
     def __init__(self, problem: Problem) -> None:
-        super().__init__(problem.message, path=problem.path, field=problem.field, tensor=problem.tensor)
+        super().__init__(
+            problem.message,
+            path=problem.path,
+            field=problem.field,
+            tensor=problem.tensor,
+            # verify's Problem does not carry the requirement yet; pass it on once it does
+            requirement=getattr(problem, "requirement", None),
+        )
         self.code = problem.code
 
 

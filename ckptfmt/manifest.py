@@ -282,16 +282,19 @@ def _codec(value: object, **where: Any) -> Codec:
 
 def _parse_version(doc: dict[str, Any]) -> str:
     if doc.get("format") != FORMAT_NAME:
-        raise ManifestError(f"'format' must be {FORMAT_NAME!r}, got {_show(doc.get('format'))}")
+        raise ManifestError(f"'format' must be {FORMAT_NAME!r}, got {_show(doc.get('format'))}", requirement="MAN-8")
     version = doc.get("format_version")
     if not isinstance(version, str):
         raise ManifestError(f"'format_version' must be a 'MAJOR.MINOR' string, got {_show(version)}")
     if _VERSION.fullmatch(version) is None:
-        raise ManifestError(f"'format_version' must be 'MAJOR.MINOR' without leading zeros, got {_show(version)}")
+        raise ManifestError(
+            f"'format_version' must be 'MAJOR.MINOR' without leading zeros, got {_show(version)}", requirement="VER-2"
+        )
     major = version.partition(".")[0]
     if len(major) > 18 or int(major) != FORMAT_MAJOR:  # (int() of thousands of digits is refused or slow)
         raise UnsupportedVersionError(
-            f"format version {_show(version)} is not of major {FORMAT_MAJOR}, the one this reader implements"
+            f"format version {_show(version)} is not of major {FORMAT_MAJOR}, the one this reader implements",
+            requirement="VER-3",
         )
     return version
 
@@ -308,10 +311,14 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
         name = raw.get("name")
         must = raw.get("must_understand")
         if not isinstance(name, str) or type(must) is not bool:
-            raise ManifestError("an extension needs a string 'name' and a boolean 'must_understand'")
+            raise ManifestError(
+                "an extension needs a string 'name' and a boolean 'must_understand'",
+                requirement="VER-6" if not isinstance(name, str) else "VER-7",
+            )
         if must and name not in KNOWN_EXTENSIONS:
             raise UnsupportedExtensionError(
-                f"extension {name!r} is marked must_understand and this reader does not implement it"
+                f"extension {name!r} is marked must_understand and this reader does not implement it",
+                requirement="VER-8",
             )
         config = raw.get("configuration")
         if config is not None:
@@ -331,7 +338,7 @@ def _parse_files(value: object) -> tuple[FileRecord, ...]:
             _extras(raw, _FILE, 3)
         path = paths.check_path(raw.get("path"), where="files")
         if path <= previous:
-            raise ManifestError("'files' must be sorted by path with no duplicates", path=path)
+            raise ManifestError("'files' must be sorted by path with no duplicates", path=path, requirement="MAN-16")
         previous = path
         size = _int(raw.get("size"), "file 'size'", path=path)
         digest = _digest(raw.get("digest"), "file 'digest'", path=path)
@@ -403,21 +410,29 @@ def _parse_chunk_slow(
     if not isinstance(path, str) or path not in sizes:
         if isinstance(path, str):
             paths.check_path(path, where="chunk")
-        raise _fail(f"chunk names file {path!r}, which 'files' does not list", **where)
+        raise ManifestError(
+            f"chunk names file {_show(path)}, which 'files' does not list",
+            requirement="MAN-18" if isinstance(path, str) else "TEN-6" if path is None else "MAN-7",
+            **where,
+        )
     key = raw.get("key")
     if not isinstance(key, str) or not key:
-        raise _fail("chunk 'key' must be a non-empty string", **where)
+        raise ManifestError("chunk 'key' must be a non-empty string", requirement="TEN-7", **where)
     offsets = _ints(raw.get("offsets"), "chunk 'offsets'", **where)
     shape = _ints(raw.get("shape"), "chunk 'shape'", **where)
     if len(offsets) != rank or len(shape) != rank:
-        raise ChunkLayoutError(f"chunk offsets/shape must have the tensor's rank {rank}", **where)
+        raise ChunkLayoutError(f"chunk offsets/shape must have the tensor's rank {rank}", requirement="TEN-15", **where)
     rng = raw.get("range")
     if type(rng) is not list or len(rng) != 2:
-        raise _fail("chunk 'range' must be [begin, end]", **where)
+        raise ManifestError("chunk 'range' must be [begin, end]", requirement="TEN-10", **where)
     begin = _int(rng[0], "chunk range begin", **where)
     end = _int(rng[1], "chunk range end", **where)
     if begin > end or end > sizes[path]:
-        raise _fail(f"chunk range [{begin}, {end}] does not fit in file {path!r} of {sizes[path]} bytes", **where)
+        raise ManifestError(
+            f"chunk range [{begin}, {end}] does not fit in file {path!r} of {sizes[path]} bytes",
+            requirement="TEN-20",
+            **where,
+        )
     codec = _codec(raw.get("codec"), **where)
     if dtype_size and codec.name == RAW:
         count = 1
@@ -450,27 +465,37 @@ def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) 
         _extras(raw, _TENSOR, 5, **where)
     dtype = raw.get("dtype")
     if not isinstance(dtype, str):
-        raise _fail(f"tensor 'dtype' must be a string, got {dtype!r}", **where)
+        raise ManifestError(f"tensor 'dtype' must be a string, got {_show(dtype)}", requirement="TEN-3", **where)
     shape = _ints(raw.get("shape"), "tensor 'shape'", **where)
     problem = dtypes.shape_size_problem(shape, dtypes.ITEMSIZE.get(dtype, 1))
     if problem:
         raise ManifestError(f"tensor {problem}", requirement="TEN-23", **where)
     chunk_list = raw.get("chunks")
     if type(chunk_list) is not list:
-        raise _fail("tensor 'chunks' must be an array", **where)
+        raise ManifestError("tensor 'chunks' must be an array", requirement="TEN-5", **where)
     size = dtypes.ITEMSIZE.get(dtype, 0)  # an unknown dtype makes only this tensor unreadable (TEN-1)
     parsed = tuple(_parse_chunk(c, sizes, size, len(shape), where) for c in chunk_list)
     if len(parsed) == 1 and parsed[0].shape == shape and not any(parsed[0].offsets):
         return TensorRecord(dtype=dtype, shape=shape, chunks=parsed)  # the common case: whole tensor
     problem = geometry.coverage_problem(shape, [(c.offsets, c.shape) for c in parsed])
     if problem:
-        raise ChunkLayoutError(f"chunks do not tile shape {list(shape)}: {problem}", **where)
+        raise ChunkLayoutError(
+            f"chunks do not tile shape {list(shape)}: {problem}", requirement=_layout_rule(problem), **where
+        )
     return TensorRecord(dtype=dtype, shape=shape, chunks=parsed)
+
+
+def _layout_rule(problem: str) -> str:
+    """The TEN rule a chunks.coverage_problem message is about."""
+    for words, rule in (("rank", "TEN-15"), ("outside", "TEN-16"), ("overlap", "TEN-17"), ("exactly one", "TEN-19")):
+        if words in problem:
+            return rule
+    return "TEN-18"  # a gap, or no chunks at all
 
 
 def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecord:
     if not paths.is_field_name(name):
-        raise ManifestError(f"field name {name!r} must match [a-z][a-z0-9_]{{0,63}}", field=name)
+        raise ManifestError(f"field name {name!r} must match [a-z][a-z0-9_]{{0,63}}", field=name, requirement="MAN-20")
     raw = _obj(raw, "a field record", field=name)
     _extras(raw, _FIELD, 3, field=name)
     kind = raw.get("kind")
@@ -482,18 +507,24 @@ def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecor
         if type(context) is not str or context not in sizes:
             if isinstance(context, str):
                 paths.check_path(context, where="context")
-            raise ManifestError(f"context names file {context!r}, which 'files' does not list", field=name)
+            raise ManifestError(
+                f"context names file {_show(context)}, which 'files' does not list",
+                field=name,
+                requirement="MAN-18" if isinstance(context, str) else "MAN-24" if context is None else "MAN-7",
+            )
     if kind == "context":
         if "tensors" in raw:
-            raise ManifestError("a context field must not have 'tensors'", field=name)
+            raise ManifestError("a context field must not have 'tensors'", field=name, requirement="MAN-22")
         if context is None:
-            raise ManifestError("a context field needs 'context'", field=name)
+            raise ManifestError("a context field needs 'context'", field=name, requirement="MAN-23")
         return FieldRecord(kind="context", context=context)
     if kind == "tensors":
         tensors = _obj(raw.get("tensors"), "field 'tensors'", field=name)
         parsed = {t: _parse_tensor(t, rec, sizes, name) for t, rec in tensors.items()}
         return FieldRecord(kind="tensors", tensors=parsed, context=context)
-    raise ManifestError(f"field 'kind' must be 'tensors' or 'context', got {_show(kind)}", field=name)
+    raise ManifestError(
+        f"field 'kind' must be 'tensors' or 'context', got {_show(kind)}", field=name, requirement="MAN-21"
+    )
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -502,7 +533,7 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen = set()
         for key, _ in pairs:
             if key in seen:
-                raise ManifestError(f"duplicate JSON key {key!r}")
+                raise ManifestError(f"duplicate JSON key {key!r}", requirement="MAN-5")
             seen.add(key)
     return out
 
@@ -532,9 +563,9 @@ def _load(data: bytes) -> tuple[Any, bool]:
                 text, object_pairs_hook=_reject_duplicate_keys, parse_float=_no_float, parse_constant=_no_float
             )
     except UnicodeDecodeError as exc:
-        raise ManifestError(f"manifest is not valid UTF-8: {exc}") from exc
+        raise ManifestError(f"manifest is not valid UTF-8: {exc}", requirement="MAN-4") from exc
     except json.JSONDecodeError as exc:
-        raise ManifestError(f"manifest is not valid JSON: {exc}") from exc
+        raise ManifestError(f"manifest is not valid JSON: {exc}", requirement="MAN-4") from exc
     except RecursionError:
         # the parser recurses per level: JSON nested this deep never reaches the MAN-26 walk
         raise ManifestError(f"manifest JSON nests deeper than {MAX_JSON_DEPTH} levels", requirement="MAN-26") from None

@@ -90,7 +90,8 @@ def _load(header: bytes, path: str) -> dict[str, Any]:
 
 def _show(value: object) -> str:
     """A header value for an error message: short, and never a deep repr()."""
-    if type(value) in (dict, list) and any(type(v) in (dict, list) for v in value):  # type: ignore[attr-defined]
+    items = value.values() if type(value) is dict else value if type(value) is list else ()
+    if any(type(v) in (dict, list) for v in items):
         return f"a nested JSON {'object' if type(value) is dict else 'array'}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -272,3 +272,18 @@ def test_the_blob_walk_finds_float32_and_non_canonical_bigints() -> None:
         assert [rid for rid, _ in encoding_problems(blob)] == ["CTX-10"]
     written = (VECTORS / "valid" / "context-values" / "checkpoint" / "state" / "context.msgpack").read_bytes()
     assert encoding_problems(written) == []
+
+
+def test_a_requirement_named_by_a_refusal_is_one_the_vector_names() -> None:
+    """Where the reference reader says which rule it refused on (CheckpointError.requirement), that rule is
+    among the vector's requirements or also: groundwork for a strict protocol, and a check on both."""
+    named = 0
+    for vector in sorted((VECTORS / "invalid").iterdir()):
+        expected = json.loads((vector / "expected.json").read_bytes())
+        allowed = set(expected["requirements"]) | set(expected.get("also", []))
+        with pytest.raises(CheckpointError) as info:
+            describe(vector / "checkpoint")
+        if info.value.requirement is not None:
+            named += 1
+            assert info.value.requirement in allowed, (vector.name, info.value.requirement, sorted(allowed))
+    assert named >= 45

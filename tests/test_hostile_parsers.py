@@ -91,7 +91,8 @@ def manifest_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 DEEP = json.loads("[" * 70 + "]" * 70)
-WRONG: list[object] = [None, True, 1.5, "s", [], {}, 10**30, -1, 0, DEEP, [1, "a"], {"k": None}]
+DEEPER = json.loads("[" * 900 + "]" * 900)  # parses, but a repr() of it in an error message would not
+WRONG: list[object] = [None, True, 1.5, "s", [], {}, 10**30, -1, 0, DEEP, DEEPER, [1, "a"], {"k": None}]
 
 
 def paths_of(value: object, prefix: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
