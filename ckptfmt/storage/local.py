@@ -61,8 +61,12 @@ def split_path(path: str) -> list[str]:
 
 def _open_root(root: str, path: str, *, create: bool = False) -> int:
     try:
-        if create:
-            os.makedirs(root, exist_ok=True)
+        try:
+            return os.open(root, _ROOT_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+        os.makedirs(root, exist_ok=True)  # the caller's own path: made as the OS resolves it
         return os.open(root, _ROOT_FLAGS)
     except FileNotFoundError:
         raise MissingFileError(f"{root} does not exist", path=path) from None
