@@ -125,7 +125,10 @@ def make_special(path: Path, kind: str) -> None:
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "chardev":  # a /dev/zero node (major 1, minor 5): endless zeros if ever opened
-        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+        try:
+            os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+        except PermissionError:  # needs CAP_MKNOD (root); the devzero_link case still runs everywhere
+            pytest.skip("os.mknod of a character device is not permitted here")
     elif kind == "socket":
         sock = socket.socket(socket.AF_UNIX)
         cwd = os.getcwd()
