@@ -592,6 +592,8 @@ def parse_manifest(data: bytes) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
     doc, canonical = _load(data)
+    if not canonical:  # (canonical bytes are UTF-8 throughout: no lone surrogate can hide in them)
+        _check_unicode(doc)
     doc = _obj(doc, "the manifest")
     _extras(doc, _TOP - {"extensions", "metadata"}, 1)
     version = _parse_version(doc)
@@ -608,8 +610,6 @@ def parse_manifest(data: bytes) -> Manifest:
     fields = {name: _parse_field(name, raw, sizes) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
     _check_chunk_keys(fields)
-    if not canonical:
-        _check_unicode(doc)
     return Manifest(
         profile=profile,
         files=files,

@@ -86,6 +86,7 @@ VECTORS: tuple[Invalid, ...] = (
         ("TEN-2",),
         "A tensor named '\\ud800' (a lone surrogate: not UTF-8).",
         replace_in_manifest('"w":{"chunks"', '"\\ud800":{"chunks"'),
+        also=("MAN-27",),
     ),
     Invalid("tensor-dtype-missing", ("TEN-3",), "Tensor w has no dtype.", delete((*W, "dtype"))),
     Invalid("tensor-shape-missing", ("TEN-4",), "Tensor w has no shape.", delete((*W, "shape"))),
