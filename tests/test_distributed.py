@@ -1,0 +1,141 @@
+"""Many ranks over torch.distributed (gloo, spawned processes): FSDP2 saves on 4 ranks, loads on 1, 2, 3
+and on a 2-D (FSDP x tensor-parallel) mesh, bit for bit; a rank killed mid-save fails the others cleanly.
+
+The processes are few and share one checkpoint: together they are the costliest tests of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import ckptfmt
+import ckptfmt.torch as ct
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def launch(scenario: str, world: int, out: Path, timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{scenario} on {world} ranks hung")
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return results
+
+
+def ok(results: list[subprocess.CompletedProcess[str]]) -> None:
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    ok(launch("save", 4, out))
+    return out
+
+
+def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert a[key].tobytes() == b[key].tobytes(), f"{key} differs"
+
+
+def test_four_ranks_write_their_own_shards_into_one_checkpoint(saved: Path) -> None:
+    ckpt = ckptfmt.open(saved / "ckpt")
+    assert ckpt.verify().ok
+    writers = {f.path.split("/")[-1][:6] for f in ckpt.manifest.files if f.path.endswith(".safetensors")}
+    assert writers == {"r00000", "r00001", "r00002", "r00003"}  # the writing is spread, not all on rank 0
+    weight = ckpt.tensor("weights", "0.weight")
+    assert [c.shape[0] for c in weight.chunks] == [3, 3, 3, 1]  # FSDP2's uneven dim-0 shards of 10 rows
+    assert "0.weight/exp_avg" in ckpt.field("optimizer").tensors  # optimizer state keyed by parameter name
+    rng = ckpt.read_context("rng")
+    assert len(rng["ranks"]) == 4  # type: ignore[arg-type]
+    topology = ckpt.read_context("topology")
+    assert topology["world_size"] == 4
+    reference = load_file(str(saved / "reference-weights.safetensors"))
+    same({n: ckpt.read_tensor("weights", n) for n in ckpt.tensor_names("weights")}, reference)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_state_saved_on_four_ranks_loads_bit_for_bit_on_fewer(saved: Path, world: int) -> None:
+    ok(launch("load", world, saved))
+    for part in ("weights", "optim"):
+        same(
+            load_file(str(saved / f"loaded-load-{world}-{part}.safetensors")),
+            load_file(str(saved / f"reference-{part}.safetensors")),
+        )
+
+
+def test_fsdp_state_loads_onto_a_2d_fsdp_tensor_parallel_mesh(saved: Path) -> None:
+    ok(launch("tp", 4, saved))
+    for part in ("weights", "optim"):
+        same(
+            load_file(str(saved / f"loaded-tp-4-{part}.safetensors")),
+            load_file(str(saved / f"reference-{part}.safetensors")),
+        )
+
+
+def test_four_ranks_load_into_one_process_without_torch_distributed(saved: Path) -> None:
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = ct.ResumableSampler(64, seed=7)
+    ct.load(
+        saved / "ckpt", model=model, optimizer=optimizer, config={"model": "mlp", "layers": [6, 10, 3]}, sampler=sampler
+    )
+    reference = load_file(str(saved / "reference-weights.safetensors"))
+    same({k: v.numpy() for k, v in model.state_dict().items()}, reference)
+    optim = load_file(str(saved / "reference-optim.safetensors"))
+    for fqn, param in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert optimizer.state[param][key].numpy().tobytes() == optim[f"{fqn}/{key}"].tobytes()
+
+
+def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(tmp_path: Path) -> None:
+    results = launch("die", 3, tmp_path, timeout=240)
+    assert results[1].returncode == -9
+    for rank in (0, 2):
+        assert results[rank].returncode == 0, results[rank].stderr[-3000:]
+        text = (tmp_path / f"errors-{rank}.txt").read_text()
+        assert text.startswith("CollectiveError"), text
+    assert not (tmp_path / "ckpt-die" / "manifest.json").exists()
+    with pytest.raises(ckptfmt.IncompleteCheckpointError):
+        ckptfmt.open(tmp_path / "ckpt-die")
