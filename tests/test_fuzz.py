@@ -46,8 +46,6 @@ DEFAULT_TOTAL = sum(t.count for t in TARGETS)
 # matched against "<target> <Outcome.signature>". Remove an entry once its fix lands (its regression test then
 # fails as XPASS(strict) until its xfail mark goes too).
 KNOWN: list[str] = [
-    # a lone surrogate (JSON "\ud800") in a path: UnicodeEncodeError from paths.check_path
-    r"\S+ (exception|cli: traceback): builtins\.UnicodeEncodeError at ckptfmt/paths\.py in check_path$",
     # torch.load of a damaged .pt archive or DCP item raises more than the converters catch
     r"(import_pt|cli_convert_from_pt|subprocess_convert) (exception|cli: traceback): \S+ "
     r"at ckptfmt/convert/torch_pt\.py in _load\w*$",

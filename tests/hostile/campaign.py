@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from random import Random
 
-from .oracle import Outcome, fuzzing, run_one
+from .oracle import MEMORY_BOUND, Outcome, fuzzing, run_one
 from .seeds import seeds
 from .sentinel import Sandbox
 from .targets import Case, Target, by_name
@@ -113,6 +113,7 @@ def make_case(target: Target, seed: int, example: int) -> Case:
     return target.make(Random(f"{seed}:{target.name}:{example}"))
 
 
+MEMORY_PER_INPUT_BYTE = 16  # parsing a document of N bytes may hold its text, its objects and a copy
 TRACE_EVERY = 16  # parser targets: tracemalloc on one example in this many (resident-set growth on all)
 
 
@@ -120,7 +121,10 @@ def run_case(target: Target, case: Case, box: Sandbox | None, example: int = 0) 
     if box is not None:
         box.load(case.tree, case.dest, case.protected)
     trace = target.kind != "parser" or example % TRACE_EVERY == 0
-    return run_one(lambda: target.run(case, box), sandbox=box, check_tamper=target.check_tamper, trace=trace)
+    bound = MEMORY_BOUND + MEMORY_PER_INPUT_BYTE * case.size  # 64 MiB for a small input, more for a big one
+    return run_one(
+        lambda: target.run(case, box), sandbox=box, check_tamper=target.check_tamper, trace=trace, memory_bound=bound
+    )
 
 
 def fast_tmp() -> str | None:

@@ -291,11 +291,12 @@ def mutate_manifest(data: bytes, rng: Random) -> bytes:
     if doc is None:
         return mutate_bytes(data, rng)
     tensors = [t for t in _tensors(doc) if isinstance(t.get("chunks"), list) and t["chunks"]]
+    tensors = [t for t in tensors if any(isinstance(c, dict) for c in t["chunks"])]
     op = rng.randrange(100)
     if op >= 3 or not tensors:
         return mutate_json(data, rng)
     tensor = rng.choice(tensors)
-    chunk = rng.choice(tensor["chunks"])
+    chunk = rng.choice([c for c in tensor["chunks"] if isinstance(c, dict)])
     if op == 0:  # empty tensor with an astronomically large other dimension, consistently everywhere
         big = rng.choice((2**31, 2**40, 2**62, 2**63 - 1))
         shape = [0, big] if rng.random() < 0.5 else [big, 0, big]

@@ -80,6 +80,22 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__module__}.{type(exc).__qualname__}: {message} | at {escaped_from(exc)}"
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def printed_traceback(text: str) -> str:
+    """A printed traceback (a subprocess's stderr) described as describe_exception describes a live one."""
+    frames = _FRAME.findall(text)
+    ours = [f for f in frames if "/ckptfmt/" in f[0] or "/cli/" in f[0]] or frames
+    where = f"{os.path.relpath(ours[-1][0])}:{ours[-1][1]} in {ours[-1][2]}" if ours else "?"
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
+    last = lines[-1] if lines else "?"
+    kind, _, message = last.partition(": ")
+    if "." not in kind:
+        kind = f"builtins.{kind}"
+    return f"{kind}: {message[:200]} | at {where}"
+
+
 # ---------------------------------------------------------------- watchdog and bounds
 
 
@@ -149,10 +165,37 @@ def _vm_size() -> int:
     return 0
 
 
+_WARM = False
+WARM_MODULES = (
+    "click.testing",
+    "torch",
+    "torch.distributed.checkpoint",
+    "ckptfmt.cli",
+    "ckptfmt.convert.dcp",
+    "ckptfmt.convert.hf",
+    "ckptfmt.convert.torch_pt",
+    "ckptfmt.torch",
+)
+
+
+def warm_up() -> None:
+    """Import what the targets import lazily, once, before any watchdog runs: a first ``import torch`` takes
+    seconds, and a Timeout raised in the middle of it leaves torch half-initialized for the rest of the process."""
+    global _WARM
+    if _WARM:
+        return
+    import importlib
+
+    for module in WARM_MODULES:
+        importlib.import_module(module)
+    _WARM = True
+
+
 @contextlib.contextmanager
 def fuzzing() -> Iterator[None]:
     """The process-wide setting of a fuzz run: the address space capped a few GiB above what is in use, and the
     watchdog's SIGALRM handler installed once (not per example)."""
+    warm_up()
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGALRM, _on_alarm) if in_main else None
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -251,7 +294,7 @@ def judge_cli(result: CliResult) -> tuple[Status, str, str]:
         return "violation", "cli", "traceback: " + describe_exception(exc)
     text = result.stdout + result.stderr
     if "Traceback (most recent call last)" in text:
-        return "violation", "cli", "traceback printed: " + text[text.index("Traceback") :][-300:].replace("\n", " / ")
+        return "violation", "cli", "traceback: " + printed_traceback(text[text.index("Traceback") :])
     if result.exit_code not in (0, 1, 2):
         return "violation", "cli", f"exit code {result.exit_code}: {result.stderr[-200:]!r}"
     if result.exit_code == 0:

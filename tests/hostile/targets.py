@@ -35,6 +35,7 @@ from .sentinel import Sandbox
 
 Kind = Literal["parser", "api", "cli", "subprocess"]
 CKPT = Path(sys.executable).parent / "ckpt"
+MAX_INPUT_BYTES = 1 << 20
 
 
 @dataclass
@@ -46,6 +47,12 @@ class Case:
     dest: Tree = field(default_factory=dict)
     protected: dict[str, bytes] = field(default_factory=dict)
     args: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """Bytes of input in all: the memory bound grows with it."""
+        trees = (self.tree, self.dest)
+        return len(self.data) + sum(len(v) for tree in trees for v in tree.values() if isinstance(v, bytes))
 
     def describe(self) -> str:
         if self.tree:
@@ -76,6 +83,8 @@ def _bytes_case(
     def make(rng: Random) -> Case:
         data = rng.choice(seed_bytes(kind))
         for _ in range(rng.choice(rounds)):
+            if len(data) > MAX_INPUT_BYTES:  # copies of copies: big enough, and the memory bound is for small inputs
+                break
             data = mutate(data, rng)
         return Case(data=data)
 
