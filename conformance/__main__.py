@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import VECTORS
+from . import SPEC, VECTORS
 
 
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     vec = sub.add_parser("vectors", help="print where the vectors are (generating them once if installed)")
     vec.add_argument("--out", type=Path, help="copy them there instead (symlinks and hidden files kept)")
     gen = sub.add_parser("generate", help="regenerate the vectors from valid.py, invalid_*.py and scenarios.py")
-    gen.add_argument("--out", type=Path, default=VECTORS, help="where to write them (default: conformance/vectors)")
+    gen.add_argument("--out", type=Path, default=None, help="where to write them (default: conformance/vectors)")
     sub.add_parser("check", help="traceability: every spec requirement is covered")
     args = parser.parse_args(argv)
 
@@ -57,11 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         return run(options, sys.stdout, sys.stderr)
     if args.command == "vectors":
         return print_vectors(args.out)
+    if not SPEC.is_dir() and (args.command == "check" or args.out is None):
+        print(f"{args.command} needs a checkout of the repository (spec/, conformance/vectors/)", file=sys.stderr)
+        return 2
     if args.command == "generate":
         from .generate import generate
 
-        generate(args.out)
-        print(f"vectors written to {args.out}")
+        out = args.out or VECTORS
+        generate(out)
+        print(f"vectors written to {out}")
         return 0
     from .traceability import trace
 
