@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
         ckpt = ckptfmt.open(out / "ckptfmt-4-keep")
         st.read_snapshot(ckpt, st.load_targets(model))
         result["bytes_read"] = ckpt.bytes_read
-        result["checkpoint_bytes"] = ckpt.manifest.total_bytes()
+        result["checkpoint_bytes"] = ckpt.manifest.total_bytes
     (out / f"result-{args.mode}-{world}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -188,29 +188,58 @@ def coalesce(reads: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
     return runs
 
 
-def fetch_run(store: Store, run: Sequence[ChunkRead], *, verify: bool) -> int:
-    """Fetch one coalesced run (all in one file, back to back) and check each chunk's digest.
+def fetch_runs(store: Store, runs: Sequence[Sequence[ChunkRead]], *, verify: bool) -> int:
+    """Fetch coalesced runs of one file with one ``read_ranges`` call, then check each chunk's digest.
 
-    Returns the number of bytes fetched."""
-    first = run[0].chunk
-    # A lone chunk goes straight into its destination; a run shares one bounded staging buffer.
-    view = run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].chunk.end - first.begin))
+    A lone chunk lands straight in its destination; a run of several shares one bounded staging buffer.
+    Returns the number of bytes fetched.
+    """
+    views: list[memoryview] = []
+    for run in runs:
+        first = run[0].chunk
+        views.append(run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].chunk.end - first.begin)))
     try:
-        store.read_into(first.path, first.begin, view)
+        store.read_ranges(runs[0][0].chunk.path, [(run[0].chunk.begin, v) for run, v in zip(runs, views, strict=True)])
     except CheckpointError as exc:
-        exc.locate(field=run[0].field, tensor=run[0].tensor)
+        exc.locate(field=runs[0][0].field, tensor=runs[0][0].tensor)
         raise
-    for read in run:
-        part = view[read.chunk.begin - first.begin : read.chunk.end - first.begin]
-        try:
+    for run, view in zip(runs, views, strict=True):
+        base = run[0].chunk.begin
+        for read in run:
+            part = view[read.chunk.begin - base : read.chunk.end - base]
             if verify:
-                check_chunk(read.chunk, part)
-        except CheckpointError as exc:
-            exc.locate(field=read.field, tensor=read.tensor)
-            raise
-        if len(run) > 1:
-            read.out[:] = part
-    return len(view)
+                try:
+                    check_chunk(read.chunk, part)
+                except CheckpointError as exc:
+                    exc.locate(field=read.field, tensor=read.tensor)
+                    raise
+            if len(run) > 1:
+                read.out[:] = part
+    return sum(len(v) for v in views)
 
 
-__all__ = ["SLICE_BYTES", "ChunkRead", "WriteExecutor", "check_chunk", "coalesce", "fetch_run", "stream_file"]
+def split_runs(runs: Sequence[list[ChunkRead]], parts: int) -> list[list[list[ChunkRead]]]:
+    """Contiguous groups of a file's runs, balanced by bytes, so ``parts`` threads can share one file."""
+    sizes = [run[-1].chunk.end - run[0].chunk.begin for run in runs]
+    target = sum(sizes) / max(1, parts)
+    groups: list[list[list[ChunkRead]]] = [[]]
+    filled = 0
+    for run, size in zip(runs, sizes, strict=True):
+        if groups[-1] and filled + size / 2 > target and len(groups) < parts:
+            groups.append([])
+            filled = 0
+        groups[-1].append(run)
+        filled += size
+    return groups
+
+
+__all__ = [
+    "SLICE_BYTES",
+    "ChunkRead",
+    "WriteExecutor",
+    "check_chunk",
+    "coalesce",
+    "fetch_runs",
+    "split_runs",
+    "stream_file",
+]

@@ -32,9 +32,18 @@ from .errors import (
     UnsupportedCodecError,
     UsageError,
 )
-from .executor import ChunkRead, coalesce, fetch_run
+from .executor import ChunkRead, coalesce, fetch_runs, split_runs
 from .fields import check_standard_field
-from .manifest import RAW, ChunkRecord, FieldRecord, Manifest, TensorRecord, checkpoint_id, parse_manifest
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    RAW,
+    ChunkRecord,
+    FieldRecord,
+    Manifest,
+    TensorRecord,
+    checkpoint_id,
+    parse_manifest,
+)
 from .paths import MANIFEST_NAME
 from .plan import ReadItem, plan_region
 from .safetensors_io import header_length, parse_header
@@ -45,7 +54,7 @@ from .verify import VerifyReport, verify_checkpoint
 def read_manifest_bytes(store: Store) -> bytes:
     """The manifest's bytes, or the error that says why there is no committed checkpoint here."""
     try:
-        return store.read(MANIFEST_NAME)
+        return store.read(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
     except MissingFileError:
         present = [p for p in store.list() if p != MANIFEST_NAME]
         if present:
@@ -176,13 +185,19 @@ class Checkpoint:
             except CheckpointError as exc:
                 exc.locate(field=file_reads[0].field, tensor=file_reads[0].tensor)
                 raise
-        runs = [run for path in sorted(by_file) for run in coalesce(by_file[path])]
-        if workers <= 1 or len(runs) <= 1:
-            for run in runs:
-                self.bytes_read += fetch_run(self.store, run, verify=verify)
+        # One read_ranges call per group of runs: a file is opened once per group (local) or its ranges are
+        # sent together (object stores); a large file is split into up to ``workers`` groups read in parallel.
+        groups = [
+            group
+            for path in sorted(by_file)
+            for group in split_runs(coalesce(by_file[path]), workers if len(by_file) < workers else 1)
+        ]
+        if workers <= 1 or len(groups) <= 1:
+            for group in groups:
+                self.bytes_read += fetch_runs(self.store, group, verify=verify)
             return
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-read") as pool:
-            for future in [pool.submit(fetch_run, self.store, run, verify=verify) for run in runs]:
+            for future in [pool.submit(fetch_runs, self.store, group, verify=verify) for group in groups]:
                 self.bytes_read += future.result()
 
     def chunks_in(self, path: str) -> list[tuple[str, str, ChunkRecord]]:
@@ -281,7 +296,7 @@ class Checkpoint:
         if path is None:
             raise FieldNotFoundError("field has no context blob", field=field)
         record = self._file_records[path]
-        data = self.store.read(path)
+        data = self.store.read(path, max_size=record.size)  # a larger file is refused unread (MAN-19)
         if len(data) != record.size:
             raise SizeMismatchError(f"blob has {len(data)} bytes, manifest says {record.size}", path=path, field=field)
         actual = digest_of(algorithm_of(record.digest), data)

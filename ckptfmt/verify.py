@@ -130,7 +130,8 @@ def verify_checkpoint(
         ):
             continue
         try:
-            value = decode(ckpt.store.read(record.context), path=record.context, field=fname)
+            size = ckpt.manifest.file(record.context).size
+            value = decode(ckpt.store.read(record.context, max_size=size), path=record.context, field=fname)
             check_standard_field(fname, value)
         except CheckpointError as exc:
             report.add(exc.locate(path=record.context, field=fname))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import builtins
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # What ``Store.read`` refuses by default: it reads whole documents (manifest, context blobs, locks),
@@ -20,8 +20,7 @@ DEFAULT_MAX_READ = 1 << 30
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Capabilities:
-    ranged_reads: bool  # read_into fetches only the asked range
-    exclusive_create: bool  # put_exclusive is atomic against concurrent writers
+    exclusive_create: bool  # put_exclusive is atomic against concurrent writers (else: a rename dance)
     local: bool  # a POSIX filesystem (fsync, rename, symlinks exist)
 
 
@@ -61,6 +60,12 @@ class Store(ABC):
     @abstractmethod
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``begin``; SizeMismatchError if the file is shorter."""
+
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(begin, out)`` with the file's bytes from ``begin``: several ranges of one file in one
+        call, so a backend opens the file once (local) or sends the requests together (object stores)."""
+        for begin, out in requests:
+            self.read_into(path, begin, out)
 
     @abstractmethod
     def size(self, path: str) -> int: ...

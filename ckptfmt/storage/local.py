@@ -18,7 +18,7 @@ import fcntl
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -357,7 +357,7 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.url = str(self.root)
-        self.capabilities = Capabilities(ranged_reads=True, exclusive_create=True, local=True)
+        self.capabilities = Capabilities(exclusive_create=True, local=True)
 
     def _open_read(self, path: str) -> int:
         dir_fd, name = walk_to_parent(self.url, path)
@@ -390,9 +390,13 @@ class LocalStore(Store):
             os.close(fd)
 
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
-        fd = self._open_read(path)
+        self.read_ranges(path, [(begin, out)])
+
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
+        fd = self._open_read(path)  # one walk and one open for every range of the file
         try:
-            pread_exact(fd, path, begin, out)
+            for begin, out in requests:
+                pread_exact(fd, path, begin, out)
         finally:
             os.close(fd)
 
