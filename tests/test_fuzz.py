@@ -12,7 +12,9 @@ DCP unpickler changed):
 
 Longer runs: ``CKPTFMT_FUZZ_SECONDS=3600`` runs every target for a share of that time instead of its count
 (hypothesis examples scale with it too); ``tests/hostile/run.py --seconds 3600 --json out.json`` does the same
-outside pytest and writes the per-target figures. Each failure prints how to replay the example.
+outside pytest and writes the per-target figures (``CKPTFMT_FUZZ_JSON=out.json`` makes this module write them too).
+Each failure prints how to replay the example. ``CKPTFMT_FUZZ_TIME_BOUND`` (seconds, default 5) is the per-input
+time bound.
 
 Known violations (defects being fixed as this harness lands) are listed in KNOWN with the regression test that
 pins each one down; a violation not in KNOWN fails its target's test. Remove an entry when its fix lands.

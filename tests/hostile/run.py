@@ -5,6 +5,7 @@
     .venv/bin/python tests/hostile/run.py --seconds 60 --targets parse_manifest,cli_diff --seed 7
     .venv/bin/python tests/hostile/run.py --replay parse_manifest:0:1234        # one example: target:seed:example
     .venv/bin/python tests/hostile/run.py --seconds 600 --save /tmp/violations  # keep every sampled input
+    .venv/bin/python tests/hostile/run.py --seconds 600 --even                  # each target the same time
 
 Prints a table (examples, ok, library errors, violations per target) and each distinct violation with how to
 replay it; ``--json`` writes the same as a document for docs/reliability.md. Exit 1 when a violation was found.
@@ -26,6 +27,7 @@ from hostile.targets import all_targets
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, help="run for this long (default: the CI run's example counts)")
+    parser.add_argument("--even", action="store_true", help="with --seconds: the same time for every target")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the default counts (without --seconds)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--targets", help="comma-separated target names (default: all)")
@@ -50,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     campaign = Campaign(targets, seed=args.seed)
     started = time.monotonic()
     try:
-        if args.seconds:
+        if args.seconds and args.even:
+            campaign.run_each_for(args.seconds)
+        elif args.seconds:
             campaign.run_for(args.seconds)
         else:
             campaign.run_counts({t.name: max(1, round(t.count * args.scale)) for t in targets})
