@@ -57,6 +57,7 @@ from .base import (
     fs_call,
     list_names,
     locate,
+    read_file,
     read_range,
     refuse_existing,
 )
@@ -99,11 +100,8 @@ def numpy_globals() -> list[Any]:
 
 
 def read_json(loc: Location, what: str) -> dict[str, Any]:
-    if int(fs_call(loc.url, loc.fs.size, loc.path)) > MAX_JSON_BYTES:
-        raise SourceFormatError(f"{what} larger than {MAX_JSON_BYTES} bytes", path=loc.url)
-    doc = load_json(
-        fs_call(loc.url, loc.fs.cat_file, loc.path), error=SourceFormatError, what=what, path=loc.url, allow_float=True
-    )
+    # read_file: no symlink followed below the source, regular files only, bounded before reading
+    doc = load_json(read_file(loc, MAX_JSON_BYTES), error=SourceFormatError, what=what, path=loc.url, allow_float=True)
     if not isinstance(doc, dict):
         raise SourceFormatError(f"{what} must be a JSON object", path=loc.url)
     return doc
@@ -425,10 +423,7 @@ def read_training_args(loc: Location) -> dict[str, object]:
     import io
     import zipfile
 
-    size = int(fs_call(loc.url, loc.fs.size, loc.path))
-    if size > MAX_ARGS_BYTES:
-        raise SourceFormatError(f"larger than {MAX_ARGS_BYTES} bytes", path=loc.url)
-    data = fs_call(loc.url, loc.fs.cat_file, loc.path)
+    data = read_file(loc, MAX_ARGS_BYTES)
     if data[:4] == b"PK\x03\x04":
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as archive:
