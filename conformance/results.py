@@ -138,7 +138,7 @@ class Suite:
     def line(self) -> str:
         return (
             f"ckptfmt conformance suite {self.version}, for ckptfmt format {self.spec_version}; "
-            f"vectors {self.digest[:19]}… at {self.vectors}"
+            f"vectors {self.digest} at {self.vectors}"
         )
 
 

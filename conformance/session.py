@@ -65,15 +65,18 @@ def run(options: Options, out: TextIO, err: TextIO) -> int:
         return 2
     start = time.monotonic()
     results: list[Result] = []
+    command = ""
     try:
         if options.reader:
-            results += run_reader(shlex.split(options.reader), todo, options.jobs, options.timeout)
+            command = options.reader
+            results += run_reader(shlex.split(command), todo, options.jobs, options.timeout)
         if options.writer:
+            command = options.writer
             ids = ", ".join([rid for rid, _ in CHECKS] + [DETERMINISM])
             print(f"every checkpoint written is read back by the reference reader and checked for {ids}", file=out)
-            results += run_writer(shlex.split(options.writer), writes, options.timeout)
+            results += run_writer(shlex.split(command), writes, options.timeout)
     except OSError as exc:  # the command cannot be started at all
-        print(f"cannot run {options.reader or options.writer!r}: {exc}", file=err)
+        print(f"cannot run {command!r}: {exc}", file=err)
         return 2
     untested = json.loads(COVERAGE.read_bytes()) if COVERAGE.is_file() else {}
     result = Run(
@@ -86,7 +89,8 @@ def run(options: Options, out: TextIO, err: TextIO) -> int:
     )
     print_table(results, out)
     if options.json_path:
-        options.json_path.write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n")
+        document = json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n"
+        options.json_path.write_text(document, encoding="utf-8")
     if options.junit_xml:
         write_junit_xml(result, options.junit_xml)
     if options.report:
