@@ -293,3 +293,78 @@ def test_mutators_are_reproducible() -> None:
         b = make_case(target, 7, 3)
         assert (a.data, a.tree, a.args) == (b.data, b.tree, b.args)
     assert Random("0:x:1").random() == Random("0:x:1").random()
+
+
+# ---------------------------------------------------------------- negative controls: the oracle catches what it claims
+
+
+def test_oracle_flags_foreign_exceptions_hangs_and_memory() -> None:
+    import ckptfmt
+
+    def foreign() -> None:
+        raise ValueError("not ours")
+
+    def ours() -> None:
+        raise ckptfmt.ManifestError("ours")
+
+    def hang() -> None:
+        import time
+
+        while True:
+            time.sleep(0.01)
+
+    def hog() -> None:
+        block = bytearray(200 << 20)
+        block[::4096] = b"\x01" * len(block[::4096])  # touched, so resident
+
+    with fuzzing():
+        assert run_one(foreign).reason == "exception"
+        assert run_one(ours).status == "error"
+        assert run_one(lambda: None).status == "ok"
+        assert run_one(hang, time_bound=0.2).reason == "time"
+        assert run_one(hog).reason == "memory"
+
+
+def test_oracle_flags_cli_crashes() -> None:
+    from hostile.oracle import CliResult, judge_cli
+
+    assert judge_cli(CliResult(1, "", "ckpt: error [x]: y", None))[0] == "error"
+    assert judge_cli(CliResult(0, "ok", "", None))[0] == "ok"
+    assert (
+        judge_cli(CliResult(1, "", 'Traceback (most recent call last):\n  File "x", line 1, in f\nKeyError: 1', None))[
+            0
+        ]
+        == "violation"
+    )
+    assert judge_cli(CliResult(3, "", "odd", None))[0] == "violation"
+    assert judge_cli(CliResult(1, "", "", None))[0] == "violation"
+    assert judge_cli(CliResult(1, "", "", KeyError("k")))[0] == "violation"
+
+
+def test_sandbox_flags_reads_writes_and_deletes_outside(tmp_path: Any) -> None:
+    from hostile.mutators import Fifo, Symlink
+    from hostile.sentinel import Sandbox
+
+    box = Sandbox(tmp_path)
+    box.load({"a.bin": b"x", "link": Symlink("sentinel-file")}, protected={"a.bin": b"x"})
+    with fuzzing():
+        assert run_one(lambda: (box.root / "a.bin").read_bytes() and None, sandbox=box).status == "ok"
+        assert run_one(lambda: (box.root / "link").read_bytes() and None, sandbox=box).reason == "sandbox"
+        assert run_one(lambda: (box.work / "new.txt").write_bytes(b"x") and None, sandbox=box).reason == "sandbox"
+        assert run_one(lambda: (box.work / "sentinel" / "secret.txt").unlink(), sandbox=box).reason == "sandbox"
+        assert run_one(lambda: (box.root / "a.bin").unlink(), sandbox=box).reason == "sandbox"  # protected
+        assert (box.work / "sentinel" / "secret.txt").exists()  # put back for the next example
+        box.load({"fifo": Fifo()})
+        assert run_one(lambda: (box.root / "fifo").read_bytes() and None, sandbox=box, time_bound=0.3).reason == "time"
+
+
+def test_oracle_flags_and_undoes_tampering_with_admitted_classes() -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    def tamper() -> None:
+        Metadata.hostile_tag = 1  # type: ignore[attr-defined]
+
+    with fuzzing():
+        outcome = run_one(tamper, check_tamper=True)
+    assert outcome.reason == "tamper"
+    assert not hasattr(Metadata, "hostile_tag")
