@@ -49,12 +49,17 @@ KNOWN_DEFECTS = {
     "(tests/test_injected_failures.py::test_fsync_failure_after_the_manifest_link_leaves_no_broken_commit)",
     "D4": "a failure in CheckpointWriter.__init__ after the lock is written (its directory fsync; on S3 the request "
     "after it) leaves the lock of a live process, neither removed nor abandoned: gc keeps it and this process's "
-    "retries are locked out (tests/test_injected_failures.py::test_fsync_failure_after_the_lock_link_...)",
+    "retries are locked out "
+    "(tests/test_injected_failures.py::test_fsync_failure_after_the_lock_link_leaves_nothing_gc_cannot_clean)",
     "D5": "on S3, when removing the lock after the manifest is written fails, the save raises StorageError although "
-    "the checkpoint is committed (tests/test_injected_failures.py::test_s3_failure_after_the_manifest_...)",
-    "D6": "ckpt diff checks chunk digests, not the manifest's whole-file digests: a copy whose manifest has a "
-    "flipped data-file digest (verify fails) diffs as identical "
-    "(tests/test_corruption.py::test_diff_against_the_original_detects_every_flip_and_truncation)",
+    "the checkpoint is committed "
+    "(tests/test_injected_failures.py::test_s3_failure_after_the_manifest_is_written_does_not_report_failure)",
+    "D6": "ckpt diff checks chunk digests, not the manifest's whole-file digests nor its format_version: a copy "
+    "whose manifest has a flipped data-file digest (verify fails), or says 1.1 for 1.0, diffs as identical "
+    "(tests/test_corruption.py::test_diff_against_the_original_detects_a_flipped_file_digest)",
+    "D7": "ckpt verify reports OK for a chunk whose codec no reader implements (a manifest flip of raw to rav), "
+    "though reading that tensor fails with unsupported_codec "
+    "(tests/test_corruption.py::test_verify_refuses_a_chunk_with_an_unknown_codec)",
 }
 
 
@@ -313,14 +318,21 @@ def race_section(work: Path, rows: list[Row], log: list[str], server: Any) -> No
 
 def corruption_section(work: Path, rows: list[Row], log: list[str]) -> None:
     def row(harness: str, f: corruption.CorruptionFigures, what: str) -> Row:
-        missed = f.missed_by_verify + f.missed_by_read + f.missed_by_diff
+        missed = f.missed_by_verify + f.missed_by_verify_codec + f.missed_by_read + f.missed_by_diff
         return {
             "harness": harness,
             "what": what,
             "tried": f.tried,
             "held": f"{f.flips} flips + {f.truncations} truncations of {f.files} files ({f.bytes} B); detected by "
             f"verify {f.by_verify}, by reading {f.by_read}, by diff {f.by_diff}"
-            + (f" (D6: {len(f.missed_by_diff)} missed by diff)" if f.missed_by_diff else ""),
+            + (f"; missed by verify: {len(f.missed_by_verify)}" if f.missed_by_verify else "")
+            + (f"; D7 missed by verify: {len(f.missed_by_verify_codec)}" if f.missed_by_verify_codec else "")
+            + (f"; D6 missed by diff: {len(f.missed_by_diff)}" if f.missed_by_diff else "")
+            + (
+                f"; manifest flips giving another valid checkpoint (see notes): {len(f.other_valid_manifest)}"
+                if f.other_valid_manifest
+                else ""
+            ),
             "violations": len(missed),
             "violations_list": missed,
         }
@@ -433,6 +445,27 @@ test run, and at the sizes below with `CKPTFMT_RELIABILITY=full`.
 | ------- | -------------- | -------: | --------- | ---------: | ------: |
 """
 
+NOTES = """
+## Notes on the figures
+
+- *Refused* counts trials where `ckptfmt.open` raised a library error (nearly always `incomplete` or
+  `not_found`); *whole* counts trials where it opened a checkpoint that verified and held exactly the
+  payload. In run-directory trials a trial counts as whole when resuming found a good checkpoint.
+- Kill points are the traced calls of the save: `os.open`, `write`, `fsync`, `rename`, `link`, `unlink`,
+  `mkdir`, `rmdir`, `close` locally; every HTTP request on S3. Random moments are uniform over 1.2x an
+  uninterrupted run (forks included), so most land before the manifest is written.
+- The power-loss model keeps a file's contents as of its last `fsync` and a directory's entries as of its
+  last `fsync`; the "partly kept" variant lets each directory and file independently keep its unsynced
+  state, which POSIX allows. Its violations are D1 and D2, above.
+- Corruption: every byte of every file the manifest lists is covered by that file's digest, and every
+  byte of the canonical manifest is parsed, so no byte is exempt from detection: a flip in safetensors
+  header padding changes the file digest as much as one in tensor data. What no reader can catch is a
+  manifest flip that yields *another valid checkpoint* (a renamed field or tensor, a later minor
+  version): nothing inside a checkpoint digests its manifest. Its id (the manifest's SHA-256, recorded in
+  `latest.json` and in a child checkpoint's provenance) tells it apart, and `ckpt diff` against the
+  original shows it (except the version: D6).
+"""
+
 GOLDEN_TEXT = """
 ## Golden checkpoints
 
@@ -476,7 +509,7 @@ def render(rows: list[Row], log: list[str], started: datetime, wall: float, argv
     lines += ["", "## Defects found and not yet fixed", ""]
     lines += ["Each is a strict `xfail` in the pytest versions: it fails the suite once fixed, so the mark goes.", ""]
     lines += [f"- **{k}** {v}" for k, v in KNOWN_DEFECTS.items()]
-    text += "\n".join(lines) + "\n" + GOLDEN_TEXT
+    text += "\n".join(lines) + "\n" + NOTES + GOLDEN_TEXT
     if log:
         text += "\n## Violations of this run (first 50 per harness)\n\n```\n" + "\n".join(log) + "\n```\n"
     return text

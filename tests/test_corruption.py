@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from crash import corruption, full, size
 
+import ckptfmt
+
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> corruption.CorruptionFigures:
@@ -34,8 +36,26 @@ def test_small_checkpoint_is_small_and_multi_file(small: corruption.CorruptionFi
 
 
 def test_verify_detects_every_flip_and_truncation(small: corruption.CorruptionFigures) -> None:
+    """Except a manifest flip that makes another valid, wholly readable checkpoint (a renamed field or tensor, a
+    later minor version: no digest inside a checkpoint covers its manifest; its id does), and D7 below."""
     assert not small.missed_by_verify, "\n".join(small.missed_by_verify[:20])
-    assert small.by_verify == small.tried > 0
+    excused = len(small.other_valid_manifest) + len(small.missed_by_verify_codec)
+    assert small.by_verify + excused == small.tried > 0
+    assert all(m.startswith(corruption.MANIFEST) for m in small.other_valid_manifest)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="defect D7: ckpt verify reports OK for a chunk whose codec no reader implements (a flip of 'raw' to "
+    "'rav'), though reading that tensor fails with unsupported_codec (ckptfmt/verify.py)",
+)
+def test_verify_refuses_a_chunk_with_an_unknown_codec(tmp_path: Path) -> None:
+    url = tmp_path / "ckpt"
+    corruption.write_small(str(url))
+    manifest = url / corruption.MANIFEST
+    manifest.write_bytes(manifest.read_bytes().replace(b'"name":"raw"', b'"name":"rav"', 1))
+    assert not ckptfmt.verify(str(url)).ok
 
 
 def test_reading_detects_every_flip_and_truncation(small: corruption.CorruptionFigures) -> None:
@@ -46,11 +66,27 @@ def test_reading_detects_every_flip_and_truncation(small: corruption.CorruptionF
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="defect: ckpt diff checks chunk digests but not the manifest's whole-file digests, so a copy whose "
-    "manifest has a flipped data-file digest (verify fails) diffs as 'identical (bytes compared)' (cli/compare.py)",
+    reason="defect D6: ckpt diff checks chunk digests but not the manifest's whole-file digests nor its "
+    "format_version, so a copy whose manifest has a flipped data-file digest (verify fails) or reads 1.1 for 1.0 "
+    "diffs as 'identical (bytes compared)' (cli/compare.py)",
 )
-def test_diff_against_the_original_detects_every_flip_and_truncation(small: corruption.CorruptionFigures) -> None:
-    assert not small.missed_by_diff, "\n".join(small.missed_by_diff[:20])
+def test_diff_against_the_original_detects_a_flipped_file_digest(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from ckptfmt.cli import cli
+    from click.testing import CliRunner
+
+    corruption.write_small(str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    manifest = tmp_path / "b" / corruption.MANIFEST
+    doc = json.loads(manifest.read_bytes())
+    digest = doc["files"][-1]["digest"]  # a data file's whole-file digest: 0 <-> 1 in its last hex digit
+    text = manifest.read_bytes().replace(digest.encode(), (digest[:-1] + "01"[digest[-1] == "0"]).encode())
+    manifest.write_bytes(text)
+    assert not ckptfmt.verify(str(tmp_path / "b")).ok
+    result = CliRunner().invoke(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert result.exit_code != 0, result.output
 
 
 def test_diff_detects_every_damaged_data_file_and_blob(small: corruption.CorruptionFigures) -> None:
