@@ -52,11 +52,17 @@ def run(options: Options, out: TextIO, err: TextIO) -> int:
     if not (options.reader or options.writer):
         print("give --reader CMD, --writer CMD or both", file=err)
         return 2
+    for command in (options.reader, options.writer):
+        try:
+            shlex.split(command or "")
+        except ValueError as exc:  # an unclosed quote
+            print(f"cannot parse {command!r}: {exc}", file=err)
+            return 2
     root = vectors_root(options.vectors)
     everything = vectors(root)
     chosen = select(everything, options.only, options.skip)
     about = suite(root)
-    print(about.line, file=out)
+    print(about.line, file=out, flush=True)  # first, even when the run takes minutes and stdout is a pipe
     commands = {d: c for d, c in (("reader", options.reader), ("writer", options.writer)) if c}
     todo = [v for v in chosen if v.kind != "writer"] if options.reader else []
     writes = [v for v in chosen if v.writes] if options.writer else []
