@@ -209,13 +209,18 @@ def local_faults(new_run: Callable[[], str], kind: str, *, points: list[int] | N
 
 
 def s3_faults(
-    new_run: Callable[[], str], *, persistent: bool, points: list[int] | None = None, options: Mapping[str, Any] | None
+    new_run: Callable[[], str],
+    *,
+    persistent: bool,
+    points: list[int] | None = None,
+    options: Mapping[str, Any] | None,
+    retries: tuple[bool, ...] = (False, True),
 ) -> FaultFigures:
     """Fail the Nth HTTP request of an S3 save (and, if ``persistent``, every later one: the endpoint is down)."""
     figures = FaultFigures(f"S3 requests failing {'from the Nth on' if persistent else 'once'}")
     total = count("http", new_run(), options)
     for n in points if points is not None else range(1, total + 1):
-        for retry in (False, True):
+        for retry in retries:
             label = f"request #{n}/{total} fails{' and all after' if persistent else ''} ({'retry' if retry else 'gc'})"
             trial(
                 new_run(),
