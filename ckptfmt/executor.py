@@ -5,24 +5,30 @@ digest and every chunk digest computed in the same pass as the write (xxhash and
 the GIL, so the pool gives real parallelism). Reads fetch exactly the byte ranges of the chunks a
 read plan names and check each chunk's digest over exactly the bytes read.
 
+Encoded files (spec/codecs.md) are encoded on the same pool, in the worker that writes them: the
+header of a safetensors file needs every entry's stored size, so such a file is built in memory
+(at most ``plan.ENCODED_FILE_BYTES`` of raw data, ~that much encoded) and then streamed.
+
 Memory bound of a write: references (never copies) to the arrays of at most ``workers + 1`` files,
-plus one ``SLICE_BYTES`` slice in flight per worker.
+plus per worker one ``SLICE_BYTES`` slice in flight, or one encoded file and one frame's byte planes.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import dtypes
 from .arrays import byte_view
+from .codecs import get_codec
 from .digests import algorithm_of, format_digest, new_hasher
 from .errors import CheckpointError, DigestMismatchError
-from .manifest import ChunkRecord, FileRecord
+from .manifest import ChunkRecord, Codec, FileRecord
 from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
 from .storage import Store
@@ -110,8 +116,25 @@ class WriteExecutor:
             self.files[record.path] = record
 
     def _write_data_file(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
-        header, starts = build_header([(e.key, e.dtype, e.shape, e.nbytes) for e in plan.entries])
-        views = [byte_view(a) for a in arrays]
+        views: list[memoryview] = []
+        codecs: list[Codec] = []
+        header_entries: list[tuple[str, str, tuple[int, ...], int]] = []
+        for e, array in zip(plan.entries, arrays, strict=True):
+            view = byte_view(array)
+            if not e.encoded:
+                views.append(view)
+                codecs.append(Codec())
+                header_entries.append((e.key, e.dtype, e.shape, e.nbytes))
+                continue
+            # Header building follows encoding: an encoded entry is a U8 entry of its stored size (COD-3).
+            encoded = get_codec(e.codec.name).encode(
+                view, dtype=e.dtype, itemsize=dtypes.itemsize(e.dtype), level=e.codec.level
+            )
+            stored = encoded.parts[0] if len(encoded.parts) == 1 else b"".join(encoded.parts)
+            views.append(memoryview(stored))
+            codecs.append(Codec(name=e.codec.name, configuration=encoded.configuration))
+            header_entries.append((e.key, "U8", (len(stored),), len(stored)))
+        header, starts = build_header(header_entries)
         record, spans = stream_file(
             self.store, plan.path, [memoryview(header), *views], chunk_parts=len(views), algorithm=self.algorithm
         )
@@ -130,9 +153,10 @@ class WriteExecutor:
                     begin=begin,
                     end=end,
                     digest=digest,
+                    codec=codec,
                 ),
             )
-            for e, (begin, end, digest) in zip(plan.entries, spans, strict=True)
+            for e, (begin, end, digest), codec in zip(plan.entries, spans, codecs, strict=True)
         ]
         self._record(record)
         with self._lock:
@@ -141,12 +165,29 @@ class WriteExecutor:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRead:
-    """Fetch ``chunk``'s stored bytes into ``out`` (exactly its size); ``where`` names it in errors."""
+    """Fetch ``chunk``'s stored bytes (or only ``span``, absolute, of them) into ``out``, exactly that
+    size; then, for an encoded chunk, ``decode`` them (on the fetching thread, so decoding runs in
+    parallel). ``field`` and ``tensor`` name the chunk in errors."""
 
     chunk: ChunkRecord
     out: memoryview
     field: str
     tensor: str
+    span: tuple[int, int] | None = None
+    decode: Callable[[memoryview], None] | None = None
+
+    @property
+    def begin(self) -> int:
+        return self.chunk.begin if self.span is None else self.span[0]
+
+    @property
+    def end(self) -> int:
+        return self.chunk.end if self.span is None else self.span[1]
+
+    @property
+    def whole(self) -> bool:
+        """The read fetches every stored byte of the chunk, so the chunk digest can be checked."""
+        return self.begin == self.chunk.begin and self.end == self.chunk.end
 
 
 def check_chunk(chunk: ChunkRecord, data: memoryview) -> None:
@@ -167,18 +208,18 @@ def coalesce(reads: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
     Chunks larger than ``COALESCE_MAX_CHUNK`` are fetched alone, straight into their destination; small
     ones (the many little tensors of a model) share a request through a bounded staging buffer.
     """
-    ordered = sorted(reads, key=lambda r: r.chunk.begin)
+    ordered = sorted(reads, key=lambda r: r.begin)
     runs: list[list[ChunkRead]] = []
     run_bytes = 0
     for read in ordered:
-        size = read.chunk.end - read.chunk.begin
+        size = read.end - read.begin
         small = size <= COALESCE_MAX_CHUNK
         if (
             runs
             and small
             and run_bytes + size <= COALESCE_MAX_RUN
-            and runs[-1][-1].chunk.end == read.chunk.begin
-            and runs[-1][-1].chunk.end - runs[-1][-1].chunk.begin <= COALESCE_MAX_CHUNK
+            and runs[-1][-1].end == read.begin
+            and runs[-1][-1].end - runs[-1][-1].begin <= COALESCE_MAX_CHUNK
         ):
             runs[-1].append(read)
             run_bytes += size
@@ -196,31 +237,33 @@ def fetch_runs(store: Store, runs: Sequence[Sequence[ChunkRead]], *, verify: boo
     """
     views: list[memoryview] = []
     for run in runs:
-        first = run[0].chunk
-        views.append(run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].chunk.end - first.begin)))
+        views.append(run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].end - run[0].begin)))
     try:
-        store.read_ranges(runs[0][0].chunk.path, [(run[0].chunk.begin, v) for run, v in zip(runs, views, strict=True)])
+        store.read_ranges(runs[0][0].chunk.path, [(run[0].begin, v) for run, v in zip(runs, views, strict=True)])
     except CheckpointError as exc:
         exc.locate(field=runs[0][0].field, tensor=runs[0][0].tensor)
         raise
     for run, view in zip(runs, views, strict=True):
-        base = run[0].chunk.begin
+        base = run[0].begin
         for read in run:
-            part = view[read.chunk.begin - base : read.chunk.end - base]
-            if verify:
-                try:
+            part = view[read.begin - base : read.end - base]
+            try:
+                # A partial read of an encoded chunk is covered by its frames' checksums instead (COD-5).
+                if verify and read.whole:
                     check_chunk(read.chunk, part)
-                except CheckpointError as exc:
-                    exc.locate(field=read.field, tensor=read.tensor)
-                    raise
-            if len(run) > 1:
-                read.out[:] = part
+                if read.decode is not None:
+                    read.decode(part)
+                elif len(run) > 1:
+                    read.out[:] = part
+            except CheckpointError as exc:
+                exc.locate(path=read.chunk.path, field=read.field, tensor=read.tensor)
+                raise
     return sum(len(v) for v in views)
 
 
 def split_runs(runs: Sequence[list[ChunkRead]], parts: int) -> list[list[list[ChunkRead]]]:
     """Contiguous groups of a file's runs, balanced by bytes, so ``parts`` threads can share one file."""
-    sizes = [run[-1].chunk.end - run[0].chunk.begin for run in runs]
+    sizes = [run[-1].end - run[0].begin for run in runs]
     target = sum(sizes) / max(1, parts)
     groups: list[list[list[ChunkRead]]] = [[]]
     filled = 0

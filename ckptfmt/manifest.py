@@ -31,6 +31,8 @@ FORMAT_NAME = "ckptfmt"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+RAW_VERSION = f"{FORMAT_MAJOR}.0"  # VER-1: what a checkpoint whose chunks are all raw says (a valid 1.0 one)
+ENCODED_VERSION = f"{FORMAT_MAJOR}.1"  # VER-1: what a checkpoint with an encoded chunk says (spec/codecs.md)
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_JSON_DEPTH = 64  # MAN-26: the top-level object is level 1
 MAX_INT_DIGITS = 20  # MAN-26: enough for any 64-bit integer, signed or unsigned (as ckptfmt.jsonio)
@@ -144,7 +146,7 @@ class Manifest:
     profile: str
     files: tuple[FileRecord, ...]
     fields: Mapping[str, FieldRecord]
-    format_version: str = FORMAT_VERSION
+    format_version: str = RAW_VERSION
     extensions: tuple[Extension, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
 

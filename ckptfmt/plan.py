@@ -18,12 +18,25 @@ from typing import Any
 
 from . import chunks as geometry
 from . import layout
+from .codecs import WriteCodec, writer_codec
 from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
-from .manifest import ChunkRecord, Codec, FieldRecord, FileRecord, Manifest, TensorRecord
+from .manifest import (
+    ENCODED_VERSION,
+    RAW,
+    RAW_VERSION,
+    ChunkRecord,
+    Codec,
+    FieldRecord,
+    FileRecord,
+    Manifest,
+    TensorRecord,
+)
 from .paths import check_field_name, tensor_name_problem
 from .profiles import PROFILES
 
 Shape = tuple[int, ...]
+RAW_WRITE = WriteCodec()
+ENCODED_FILE_BYTES = 64 << 20  # raw bytes per encoded data file: bounds the memory of one encode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,15 +51,25 @@ class EntryPlan:
     offsets: Shape
     global_shape: Shape
     nbytes: int
+    codec: WriteCodec = RAW_WRITE
+
+    @property
+    def encoded(self) -> bool:
+        return self.codec.name != RAW
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FilePlan:
-    """One data file: its entries in storage order (the header is built from them when it is written)."""
+    """One data file: its entries in storage order (the header is built from them when it is written,
+    after encoding). Encoded and raw entries never share a file (COD-2)."""
 
     field: str
     path: str
     entries: tuple[EntryPlan, ...]
+
+    @property
+    def encoded(self) -> bool:
+        return any(e.encoded for e in self.entries)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,14 +169,16 @@ class RankPlanner:
     full), :meth:`declare_field` for an empty tensor field, then :meth:`finish` for the rest.
     """
 
-    def __init__(self, *, rank: int = 0, target_file_size: int) -> None:
+    def __init__(self, *, rank: int = 0, target_file_size: int, codec: WriteCodec | str | None = None) -> None:
         if target_file_size <= 0 or rank < 0:
             raise UsageError("target_file_size must be positive and rank non-negative")
         self.rank = rank
         self.target_file_size = target_file_size
+        self.codec = WriteCodec.parse(codec)
         self.tensors: dict[str, dict[str, _TensorDecl]] = {}
-        self._pending: dict[str, list[EntryPlan]] = {}
-        self._pending_bytes: dict[str, int] = {}
+        # Open files by (field, encoded): encoded and raw chunks never share a data file (COD-2).
+        self._pending: dict[tuple[str, bool], list[EntryPlan]] = {}
+        self._pending_bytes: dict[tuple[str, bool], int] = {}
         self._seq: dict[str, int] = {}
 
     def declare_field(self, field_name: str) -> None:
@@ -223,25 +248,30 @@ class RankPlanner:
             offsets=offs,
             global_shape=gshape,
             nbytes=nbytes,
+            codec=writer_codec(self.codec, dtype=dtype, nbytes=nbytes),
         )
+        slot = (field_name, entry.encoded)
+        # An encoded file is built in memory before it is written (its header needs the stored sizes).
+        target = min(self.target_file_size, ENCODED_FILE_BYTES) if entry.encoded else self.target_file_size
         full: list[FilePlan] = []
-        pending = self._pending.setdefault(field_name, [])
-        over = pending and self._pending_bytes[field_name] + nbytes > self.target_file_size
+        pending = self._pending.setdefault(slot, [])
+        over = pending and self._pending_bytes[slot] + nbytes > target
         # A tensor named like another's chunk key ("t@0"): keys need only be unique within a file.
         clash = any(p.key == key for p in pending)
         if over or clash:
-            full.append(self._close_file(field_name))
-        self._pending.setdefault(field_name, []).append(entry)
-        self._pending_bytes[field_name] = self._pending_bytes.get(field_name, 0) + nbytes
+            full.append(self._close_file(slot))
+        self._pending.setdefault(slot, []).append(entry)
+        self._pending_bytes[slot] = self._pending_bytes.get(slot, 0) + nbytes
         return entry, full
 
     def finish(self) -> list[FilePlan]:
         """Plans of every file still open."""
-        return [self._close_file(f) for f in list(self._pending) if self._pending[f]]
+        return [self._close_file(slot) for slot in list(self._pending) if self._pending[slot]]
 
-    def _close_file(self, field_name: str) -> FilePlan:
-        entries = tuple(self._pending.pop(field_name))
-        self._pending_bytes[field_name] = 0
+    def _close_file(self, slot: tuple[str, bool]) -> FilePlan:
+        field_name = slot[0]
+        entries = tuple(self._pending.pop(slot))
+        self._pending_bytes[slot] = 0
         seq = self._seq.get(field_name, 0)
         self._seq[field_name] = seq + 1
         return FilePlan(field=field_name, path=layout.data_path(field_name, self.rank, seq), entries=entries)
@@ -303,8 +333,13 @@ def merge_results(
             raise MissingFieldError(
                 f"profile {profile!r} requires field {name!r} of kind {kind!r}; nothing was committed", field=name
             )
+    encoded = any(c.codec.name != RAW for f in fields.values() for t in f.tensors.values() for c in t.chunks)
     return Manifest(
-        profile=profile, files=tuple(files[p] for p in sorted(files)), fields=fields, metadata=dict(metadata or {})
+        format_version=ENCODED_VERSION if encoded else RAW_VERSION,  # VER-1
+        profile=profile,
+        files=tuple(files[p] for p in sorted(files)),
+        fields=fields,
+        metadata=dict(metadata or {}),
     )
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from . import __version__, layout
 from .arrays import as_array
 from .canonical import config_hash, config_to_dict
+from .codecs import WriteCodec
 from .collective import Collective, decode_status, encode_status
 from .commit import Committer
 from .context import encode
@@ -77,6 +78,7 @@ class CheckpointWriter:
         workers: int = 2,
         metadata: Mapping[str, str] | None = None,
         collective: Collective | None = None,
+        codec: str | WriteCodec | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -94,7 +96,8 @@ class CheckpointWriter:
         self.metadata = dict(metadata or {})
         self.collective = collective
         self.checkpoint_id: str | None = None
-        self._planner = RankPlanner(rank=rank, target_file_size=target_file_size)
+        # codec: None or "raw" stores raw chunks; "zstd" or "zstd:LEVEL" compresses floating chunks (spec/codecs.md)
+        self._planner = RankPlanner(rank=rank, target_file_size=target_file_size, codec=codec)
         self._arrays: dict[tuple[str, str], np.ndarray[Any, Any]] = {}  # (field, key) -> pending array
         self._contexts: dict[str, str] = {}
         self._closed = False

@@ -1,0 +1,181 @@
+"""The ``zstd`` codec: independent zstd frames of bounded raw size, optionally byte-grouped (spec/codecs.md).
+
+A chunk's raw bytes are cut into frames of ``frame_bytes`` raw bytes (the last may be shorter).
+With ``bytegroup``, each frame's elements are split into byte planes before compression (the most
+significant byte of every element, then the next, ...): float exponents land side by side, which is
+where zstd finds the redundancy. Each frame is one zstd frame with its content size and checksum,
+so a reader decodes only the frames a slice touches, fetches only their stored bytes, and never
+lets a frame produce more than the manifest says it holds.
+
+Configuration: ``{"frame_bytes": F, "frames": [stored size of each frame], "bytegroup": bool,
+"level": L}`` (``level`` is informative).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import zstandard
+
+from ..errors import IntegrityError, ManifestError
+from ..manifest import Codec
+from . import Encoded, FrameSpan
+
+NAME = "zstd"
+FRAME_BYTES = 4 << 20  # raw bytes per frame: the granularity of random access
+MIN_COMPRESS_BYTES = 4096  # smaller chunks stay raw: a frame header and checksum would eat the gain
+MAX_FRAMES = 1 << 24
+_FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+_COMPRESSIBLE = _FLOATING | {"I64", "I32", "I16", "U64", "U32", "U16"}
+_local = threading.local()  # a zstd context per thread: contexts are not thread-safe
+
+
+def compressible(dtype: str) -> bool:
+    """Floating dtypes only: integer and boolean chunks of a training state are small (steps, masks)."""
+    return dtype in _FLOATING
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    d: zstandard.ZstdDecompressor = _local.decompressor
+    return d
+
+
+def group_bytes(data: memoryview, itemsize: int) -> memoryview:
+    """Byte planes of ``data``: the most significant byte of every (little-endian) element first."""
+    if itemsize == 1:
+        return data
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
+    return np.ascontiguousarray(rows[:, ::-1].T).data.cast("B")
+
+
+def ungroup_bytes(planes: bytes, itemsize: int, out: memoryview) -> None:
+    """Inverse of :func:`group_bytes`, written straight into ``out``."""
+    if itemsize == 1:
+        out[:] = planes
+        return
+    target = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
+    target[:, ::-1] = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1).T
+
+
+class ZstdCodec:
+    name = NAME
+
+    def encode(self, data: memoryview, *, dtype: str, itemsize: int, level: int) -> Encoded:
+        group = dtype in _FLOATING and itemsize > 1
+        frame = FRAME_BYTES - FRAME_BYTES % itemsize
+        cctx = _compressor(level)
+        parts: list[bytes] = []
+        for lo in range(0, len(data), frame):
+            piece = data[lo : lo + frame]
+            parts.append(cctx.compress(group_bytes(piece, itemsize) if group else piece))
+        config: dict[str, object] = {
+            "bytegroup": group,
+            "frame_bytes": frame,
+            "frames": [len(p) for p in parts],
+            "level": level,
+        }
+        return Encoded(parts=tuple(parts), configuration=config)
+
+    def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:
+        frame, sizes = _frames(codec, stored_size=stored_size, raw_size=raw_size)
+        if raw_begin >= raw_end:
+            return FrameSpan(stored_begin=0, stored_end=0, raw_begin=raw_begin, raw_end=raw_begin)
+        first, last = raw_begin // frame, (raw_end - 1) // frame
+        stored_begin = sum(sizes[:first])
+        stored_end = stored_begin + sum(sizes[first : last + 1])
+        return FrameSpan(
+            stored_begin=stored_begin,
+            stored_end=stored_end,
+            raw_begin=first * frame,
+            raw_end=min(raw_size, (last + 1) * frame),
+        )
+
+    def decode_into(self, codec: Codec, stored: memoryview, span: FrameSpan, out: memoryview, *, itemsize: int) -> None:
+        config = codec.configuration or {}
+        frame = int(config["frame_bytes"])  # type: ignore[call-overload]  # checked by plan_frames
+        sizes: Sequence[int] = config["frames"]  # type: ignore[assignment]
+        group = config.get("bytegroup") is True and itemsize > 1
+        index = span.raw_begin // frame
+        position = 0
+        for lo in range(0, span.raw_end - span.raw_begin, frame):
+            want = min(frame, span.raw_end - span.raw_begin - lo)
+            size = sizes[index]
+            decoded = _decode_frame(stored[position : position + size], want, index)
+            if group:
+                ungroup_bytes(decoded, itemsize, out[lo : lo + want])
+            else:
+                out[lo : lo + want] = decoded
+            position += size
+            index += 1
+
+
+def _decode_frame(data: memoryview, want: int, index: int) -> bytes:
+    """One frame, refused unless it declares exactly ``want`` bytes of content and a checksum.
+
+    The declared size is checked before decoding: python-zstandard sizes its output from the frame
+    header and ignores ``max_output_size`` when the header states a size.
+    """
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"zstd frame {index}: not a zstd frame ({exc})", requirement="COD-5") from exc
+    if params.content_size != want:
+        raise IntegrityError(
+            f"zstd frame {index} declares {params.content_size} bytes of content, the manifest says {want}",
+            requirement="COD-5",
+        )
+    if not params.has_checksum:
+        raise IntegrityError(f"zstd frame {index} has no content checksum", requirement="COD-5")
+    dobj = _decompressor().decompressobj()
+    try:
+        decoded = dobj.decompress(data)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"zstd frame {index} does not decode: {exc}", requirement="COD-5") from exc
+    if len(decoded) != want or not dobj.eof or dobj.unused_data:
+        raise IntegrityError(
+            f"zstd frame {index} decodes to {len(decoded)} bytes with "
+            f"{len(dobj.unused_data) if dobj.eof else 'missing'} trailing bytes; the manifest says {want} bytes, "
+            "one frame",
+            requirement="COD-5",
+        )
+    return decoded
+
+
+def _frames(codec: Codec, *, stored_size: int, raw_size: int) -> tuple[int, list[int]]:
+    """``frame_bytes`` and the frame sizes, checked against the chunk's stored and raw sizes (COD-4)."""
+    config = codec.configuration
+    if config is None:
+        raise ManifestError("zstd codec has no 'configuration'", requirement="COD-4")
+    frame, sizes = config.get("frame_bytes"), config.get("frames")
+    if type(frame) is not int or frame <= 0:
+        raise ManifestError(f"zstd 'frame_bytes' must be a positive integer, got {frame!r}", requirement="COD-4")
+    if type(sizes) is not list or not all(type(s) is int and s > 0 for s in sizes):
+        raise ManifestError("zstd 'frames' must be a list of positive integers", requirement="COD-4")
+    group = config.get("bytegroup", False)
+    if type(group) is not bool:
+        raise ManifestError("zstd 'bytegroup' must be a boolean", requirement="COD-4")
+    expected = -(-raw_size // frame)
+    if len(sizes) != expected or len(sizes) > MAX_FRAMES:
+        raise ManifestError(
+            f"zstd 'frames' lists {len(sizes)} frames; {raw_size} raw bytes in frames of {frame} make {expected}",
+            requirement="COD-4",
+        )
+    if sum(sizes) != stored_size:
+        raise ManifestError(
+            f"zstd 'frames' add up to {sum(sizes)} bytes; the chunk's range holds {stored_size}", requirement="COD-4"
+        )
+    return frame, sizes
+
+
+__all__ = ["FRAME_BYTES", "MIN_COMPRESS_BYTES", "ZstdCodec", "compressible", "group_bytes", "ungroup_bytes"]

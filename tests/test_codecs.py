@@ -1,0 +1,141 @@
+"""The codec registry and the zstd codec: round trips, random access by frame, bounded decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import zstandard
+
+import ckptfmt
+from ckptfmt.codecs import WriteCodec, get_codec
+from ckptfmt.codecs.zstd import FRAME_BYTES, group_bytes, ungroup_bytes
+from ckptfmt.errors import IntegrityError, ManifestError, UnsupportedCodecError, UsageError
+from ckptfmt.manifest import Codec
+from ckptfmt.storage import open_store
+from ckptfmt.writer import CheckpointWriter
+
+
+def _save(path: Path, tensors: dict[str, np.ndarray], codec: str | None = "zstd") -> ckptfmt.Checkpoint:
+    with CheckpointWriter(open_store(str(path)), profile="weights", codec=codec) as w:
+        w.write_tensors("weights", tensors)
+    return ckptfmt.open(str(path))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.uint8])
+def test_group_bytes_round_trip(dtype: object) -> None:
+    a = np.random.default_rng(1).standard_normal(1001).astype(dtype)  # type: ignore[call-overload]
+    raw = memoryview(a.tobytes())
+    planes = group_bytes(raw, a.itemsize)
+    out = bytearray(len(raw))
+    ungroup_bytes(bytes(planes), a.itemsize, memoryview(out))
+    assert bytes(out) == bytes(raw)
+    if a.itemsize > 1:  # the most significant byte of the first element leads
+        assert planes[0] == raw[a.itemsize - 1]
+
+
+def test_zstd_checkpoint_round_trip_and_slices(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    tensors = {
+        "f32": rng.standard_normal((1200, 1100)).astype(np.float32),  # > one frame
+        "bf16": rng.standard_normal((700, 300)).astype(ml_dtypes.bfloat16),
+        "i64": np.arange(5000, dtype=np.int64),
+        "tiny": np.float32([1.5, 2.5]),
+    }
+    ckpt = _save(tmp_path / "c", tensors)
+    assert ckpt.format_version == "1.1"
+    chunks = {n: t.chunks[0] for n, t in ckpt.fields["weights"].tensors.items()}
+    assert {n: c.codec.name for n, c in chunks.items()} == {"f32": "zstd", "bf16": "zstd", "i64": "raw", "tiny": "raw"}
+    assert chunks["f32"].codec.configuration is not None
+    assert len(chunks["f32"].codec.configuration["frames"]) == -(-tensors["f32"].nbytes // FRAME_BYTES)  # type: ignore[arg-type]
+    # encoded and raw chunks never share a data file
+    assert chunks["f32"].path != chunks["i64"].path and chunks["f32"].path == chunks["bf16"].path
+    got = ckpt.read_tensors("weights")
+    for name, value in tensors.items():
+        assert got[name].dtype == value.dtype and got[name].tobytes() == value.tobytes(), name
+    # a slice in the last frame fetches that frame's stored bytes only
+    before = ckpt.bytes_read
+    part = ckpt.read_slice("weights", "f32", (1190, 3), (4, 5))
+    assert np.array_equal(part, tensors["f32"][1190:1194, 3:8])
+    frames = chunks["f32"].codec.configuration["frames"]
+    assert ckpt.bytes_read - before == frames[-1]  # type: ignore[index]
+    assert ckpt.verify().ok
+    assert ckpt.read_tensor("weights", "f32", verify=False).tobytes() == tensors["f32"].tobytes()
+
+
+def test_zstd_compresses_floats(tmp_path: Path) -> None:
+    a = (np.random.default_rng(2).standard_normal(1 << 20) * 0.02).astype(np.float32)
+    ckpt = _save(tmp_path / "c", {"w": a})
+    assert ckpt.fields["weights"].tensors["w"].chunks[0].nbytes < 0.9 * a.nbytes
+
+
+def test_raw_save_is_version_1_0(tmp_path: Path) -> None:
+    ckpt = _save(tmp_path / "c", {"w": np.ones(5000, np.float32)}, codec=None)
+    assert ckpt.format_version == "1.0"
+    assert ckpt.fields["weights"].tensors["w"].chunks[0].codec.name == "raw"
+
+
+def test_write_codec_parse() -> None:
+    assert WriteCodec.parse("zstd:3") == WriteCodec(name="zstd", level=3)
+    assert WriteCodec.parse(None).name == "raw"
+    with pytest.raises(UsageError):
+        WriteCodec.parse("lz4")
+    with pytest.raises(UsageError):
+        WriteCodec.parse("zstd:x")
+
+
+def _rewrite_manifest(path: Path, edit: object) -> None:
+    doc = json.loads((path / "manifest.json").read_text())
+    edit(doc)  # type: ignore[operator]
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+def _chunk(doc: dict, name: str) -> dict:  # type: ignore[type-arg]
+    return doc["fields"]["weights"]["tensors"][name]["chunks"][0]  # type: ignore[no-any-return]
+
+
+def test_unknown_codec_refuses_that_tensor_only(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    tensors = {"a": rng.standard_normal(5000).astype(np.float32), "b": rng.standard_normal(5000).astype(np.float32)}
+    _save(tmp_path / "c", tensors)
+    _rewrite_manifest(tmp_path / "c", lambda d: _chunk(d, "a")["codec"].update(name="org.example.lz9"))
+    ckpt = ckptfmt.open(str(tmp_path / "c"))
+    with pytest.raises(UnsupportedCodecError) as info:
+        ckpt.read_tensor("weights", "a")
+    assert info.value.tensor == "a" and info.value.requirement == "TEN-14"
+    assert ckpt.read_tensor("weights", "b").tobytes() == tensors["b"].tobytes()
+
+
+def test_bad_frame_index_is_refused(tmp_path: Path) -> None:
+    _save(tmp_path / "c", {"a": np.random.default_rng(4).standard_normal(5000).astype(np.float32)})
+    _rewrite_manifest(tmp_path / "c", lambda d: _chunk(d, "a")["codec"]["configuration"]["frames"].append(1))
+    with pytest.raises(ManifestError) as info:
+        ckptfmt.open(str(tmp_path / "c")).read_tensor("weights", "a")
+    assert info.value.requirement == "COD-4" and info.value.tensor == "a"
+
+
+def test_frame_declaring_more_than_stated_is_refused_before_decoding() -> None:
+    codec = get_codec("zstd")
+    # a bomb: 64 MiB of zeros in a few KiB, its header declaring that size
+    bomb = zstandard.ZstdCompressor(write_checksum=True).compress(bytes(64 << 20))
+    config = Codec(name="zstd", configuration={"frame_bytes": 4096, "frames": [len(bomb)], "bytegroup": False})
+    span = codec.plan_frames(config, stored_size=len(bomb), raw_size=4096, raw_begin=0, raw_end=4096)
+    with pytest.raises(IntegrityError) as info:
+        codec.decode_into(config, memoryview(bomb), span, memoryview(bytearray(4096)), itemsize=1)
+    assert "declares 67108864" in info.value.message
+
+
+def test_frame_without_checksum_or_with_trailing_bytes_is_refused() -> None:
+    codec = get_codec("zstd")
+    data = bytes(range(256)) * 16
+    for frame in (
+        zstandard.ZstdCompressor(write_checksum=False).compress(data),
+        zstandard.ZstdCompressor(write_checksum=True).compress(data) + b"\0",
+    ):
+        config = Codec(name="zstd", configuration={"frame_bytes": 4096, "frames": [len(frame)], "bytegroup": False})
+        span = codec.plan_frames(config, stored_size=len(frame), raw_size=4096, raw_begin=0, raw_end=4096)
+        with pytest.raises(IntegrityError):
+            codec.decode_into(config, memoryview(frame), span, memoryview(bytearray(4096)), itemsize=1)
