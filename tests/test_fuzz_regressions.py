@@ -89,6 +89,39 @@ def test_cli_verify_manifest_path_with_lone_surrogate(box: Sandbox) -> None:
     assert_clean(run_target("cli_verify", box, tree, args=("weights", "verify", "{root}")))
 
 
+def _weights_manifest_with(edit: Callable[[dict[str, object]], object]) -> bytes:
+    doc = json.loads(seeds()["weights"]["manifest.json"])  # type: ignore[arg-type]
+    edit(doc)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _set_context(value: object) -> Callable[[dict[str, object]], object]:
+    return lambda doc: doc["fields"]["provenance"].__setitem__("context", value)  # type: ignore[index]
+
+
+def _set_dtype(value: object) -> Callable[[dict[str, object]], object]:
+    return lambda doc: doc["fields"]["weights"]["tensors"]["w"].__setitem__("dtype", value)  # type: ignore[index]
+
+
+# Found as RecursionError and ValueError (json.loads) and TypeError (a list where a hashable path or dtype goes)
+# escaping ckptfmt/manifest.py parse_manifest and _parse_field; fixed by the parser engineer while this landed.
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _weights_manifest_with(_set_context([])),
+        lambda: _weights_manifest_with(_set_context({"path": []})),
+        lambda: _weights_manifest_with(_set_dtype([])),
+        lambda: _weights_manifest_with(_set_dtype({"name": "F32"})),
+        lambda: _weights_manifest_with(_set_context("X")).replace(b'"X"', b"[" * 5000 + b"]" * 5000),
+        lambda: _weights_manifest_with(_set_context("X")).replace(b'"X"', b"9" * 5000),
+    ],
+    ids=["context-list", "context-path-list", "dtype-list", "dtype-object", "deep-nesting", "5000-digit-integer"],
+)
+def test_manifest_values_of_the_wrong_kind(make: Callable[[], bytes]) -> None:
+    data = make()
+    assert_clean(oracle(lambda: ckptfmt.parse_manifest(data)))
+
+
 # Found as RecursionError, ValueError (integer digits) and TypeError (unhashable dtype) escaping
 # ckptfmt/safetensors_io.py parse_header; fixed by the parser engineer while this harness landed.
 @pytest.mark.parametrize(
