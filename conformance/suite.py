@@ -105,7 +105,11 @@ def vectors_root(explicit: Path | None = None) -> Path:
 
 
 def tree_digest(root: Path) -> str:
-    """sha256 over every path under ``root`` with its kind and its bytes or link target (links not followed)."""
+    """sha256 over every file and symbolic link under ``root``: its path and its bytes or link target.
+
+    Links are not followed. Directories count only through what they hold, as in git, which keeps no
+    empty directory: a fresh clone's committed tree and a generated one have the same digest.
+    """
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -117,8 +121,6 @@ def tree_digest(root: Path) -> str:
             elif path.is_file():
                 data = path.read_bytes()
                 h.update(b"F" + rel + b"\0" + str(len(data)).encode() + b"\0" + data)
-            elif path.is_dir():
-                h.update(b"D" + rel + b"\0")
     return "sha256:" + h.hexdigest()
 
 

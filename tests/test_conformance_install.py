@@ -66,6 +66,9 @@ def test_the_built_wheel_runs_the_suite_from_a_clean_venv_outside_the_repository
     names = zipfile.ZipFile(wheel).namelist()
     assert "ckptfmt/conformance/runner.py" in names and "ckptfmt/conformance/coverage.json" in names
     assert "ckptfmt/cli/conformance.py" in names
+    packages = [p.parent.relative_to(ROOT).as_posix() for p in sorted((ROOT / "ckptfmt").rglob("__init__.py"))]
+    missing = [p for p in packages if f"{p}/__init__.py" not in names]
+    assert not missing, f"add them to [tool.setuptools] packages in pyproject.toml: {missing}"
     assert not [n for n in names if "/vectors/" in n or n.startswith(("conformance/", "cli/", "tests/"))]
 
     venv = _venv(tmp_path, wheel)
@@ -85,6 +88,9 @@ def test_the_built_wheel_runs_the_suite_from_a_clean_venv_outside_the_repository
     assert generated.parent == tmp_path / "cache"
     assert tree_digest(generated) == tree_digest(VECTORS), "the installed suite generates other vectors"
     assert (generated / "invalid" / "symlink-directory" / "checkpoint" / "weights").is_symlink()
+    assert _run(["python", "-m", "ckptfmt.conformance", "vectors"], work, env).stdout.strip() == str(generated)
+    _run(["ckpt", "conformance", "vectors", "--out", "copy"], work, env)
+    assert tree_digest(work / "copy") == tree_digest(generated)
 
     full = os.environ.get("CKPTFMT_CONFORMANCE_INSTALL_FULL") == "1"
     selection = [] if full else [arg for pattern in SELECTION for arg in ("--only", pattern)]
