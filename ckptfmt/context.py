@@ -74,7 +74,11 @@ def encode(value: Mapping[str, object], *, where: str = "context") -> bytes:
 
 
 def _decode_ndarray(payload: bytes) -> np.ndarray[Any, Any]:
-    parts = msgpack.unpackb(payload, raw=False, use_list=True)
+    try:
+        parts = msgpack.unpackb(payload, raw=False, use_list=True)
+    except Exception as exc:  # trailing bytes, truncation, 0xc1...: not "exactly one MessagePack array"
+        message, _ = _explain(exc)
+        raise _bad(f"ndarray payload is not one MessagePack array: {message}", "CTX-12") from exc
     if not (isinstance(parts, list) and len(parts) == 3):
         raise _bad("ndarray extension must hold [dtype, shape, data]", "CTX-12")
     name, shape, data = parts

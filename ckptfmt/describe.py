@@ -34,10 +34,22 @@ class VerificationError(CheckpointError):
             path=problem.path,
             field=problem.field,
             tensor=problem.tensor,
-            # verify's Problem does not carry the requirement yet; pass it on once it does
-            requirement=getattr(problem, "requirement", None),
+            requirement=problem.requirement,
         )
         self.code = problem.code
+
+
+def refusal_line(exc: CheckpointError) -> str:
+    """The first line of stderr of a refusal under the strict protocol (conformance/README.md).
+
+    ``TEN-17: [chunk_layout] ...``: the requirement ID the reader refused on, then the error; an error
+    that names no requirement starts with its code instead, which the strict runner counts as a
+    refusal for the wrong reason (every refusal of the reference reader is meant to name its rule).
+    """
+    text = " ".join(str(exc).split())  # one line, whatever the message holds
+    if exc.requirement is None:
+        return f"[{exc.code}] {text}"
+    return f"{exc.requirement}: [{exc.code}] {text}"
 
 
 def sha256(data: bytes | memoryview) -> str:

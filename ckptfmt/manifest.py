@@ -17,7 +17,7 @@ from typing import Any, Literal
 from . import chunks as geometry
 from . import dtypes, paths
 from .canonical import manifest_bytes
-from .digests import parse_digest
+from .digests import ALGORITHMS, parse_digest
 from .errors import (
     ChunkLayoutError,
     ManifestError,
@@ -190,9 +190,18 @@ def _fail(message: str, **where: Any) -> ManifestError:
     return ManifestError(message, **where)
 
 
-def _int(value: object, what: str, **where: Any) -> int:
-    if type(value) is not int or value < 0:
-        raise _fail(f"{what} must be a non-negative integer, got {_show(value)}", **where)
+def _rule(value: object, rule: str | None) -> str | None:
+    """The requirement a value of the wrong shape breaks: its own rule when absent, MAN-7 when of another type."""
+    return rule if value is None else "MAN-7"
+
+
+def _int(value: object, what: str, rule: str | None = None, **where: Any) -> int:
+    if type(value) is not int:
+        raise _fail(
+            f"{what} must be a non-negative integer, got {_show(value)}", requirement=_rule(value, rule), **where
+        )
+    if value < 0:
+        raise _fail(f"{what} must be a non-negative integer, got {_show(value)}", requirement=rule, **where)
     if value >= _INT_BOUND:
         raise ManifestError(f"{what} is an integer of more than {MAX_INT_DIGITS} digits", requirement="MAN-26", **where)
     return value
@@ -208,23 +217,33 @@ def _show(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _ints(value: object, what: str, **where: Any) -> tuple[int, ...]:
+def _ints(value: object, what: str, rule: str | None = None, **where: Any) -> tuple[int, ...]:
     if type(value) is not list:
-        raise _fail(f"{what} must be an array of non-negative integers, got {_show(value)}", **where)
+        raise _fail(
+            f"{what} must be an array of non-negative integers, got {_show(value)}",
+            requirement=_rule(value, rule),
+            **where,
+        )
     for v in value:
-        _int(v, f"each of {what}", **where)
+        _int(v, f"each of {what}", rule, **where)
     return tuple(value)
 
 
-def _obj(value: object, what: str, **where: Any) -> dict[str, Any]:
+def _obj(value: object, what: str, rule: str | None = None, **where: Any) -> dict[str, Any]:
     if type(value) is not dict:
-        raise _fail(f"{what} must be a JSON object, got {type(value).__name__}", **where)
+        raise _fail(
+            f"{what} must be a JSON object, got {type(value).__name__}", requirement=_rule(value, rule), **where
+        )
     return value
 
 
-def _digest(value: object, what: str, **where: Any) -> str:
+def _digest(value: object, what: str, rule: str | None = None, **where: Any) -> str:
     if parse_digest(value) is None:
-        raise _fail(f"{what} {_show(value)} is not '<algorithm>:<hex>' of a known algorithm", **where)
+        if isinstance(value, str):  # DIG-2 an unknown algorithm, DIG-3 a known one's digits malformed
+            rule = "DIG-3" if value.partition(":")[0] in ALGORITHMS and ":" in value else "DIG-2"
+        else:
+            rule = _rule(value, rule)
+        raise _fail(f"{what} {_show(value)} is not '<algorithm>:<hex>' of a known algorithm", requirement=rule, **where)
     assert isinstance(value, str)
     return value
 
@@ -268,12 +287,12 @@ _EXTENSION = frozenset({"name", "must_understand", "configuration"})
 
 def _codec(value: object, **where: Any) -> Codec:
     if value is None:
-        raise _fail("chunk has no 'codec'", **where)
+        raise _fail("chunk has no 'codec'", requirement="TEN-12", **where)
     raw = _obj(value, "chunk 'codec'", **where)
     _extras(raw, _CODEC - {"configuration"}, 8, **where)  # the chunk's codec object is at level 8
     name = raw.get("name")
     if not isinstance(name, str) or not name:
-        raise _fail("codec 'name' must be a non-empty string", **where)
+        raise _fail("codec 'name' must be a non-empty string", requirement="TEN-12", **where)
     if name == RAW and "configuration" not in raw:
         return RAW_CODEC
     config = raw.get("configuration")
@@ -287,7 +306,10 @@ def _parse_version(doc: dict[str, Any]) -> str:
         raise ManifestError(f"'format' must be {FORMAT_NAME!r}, got {_show(doc.get('format'))}", requirement="MAN-8")
     version = doc.get("format_version")
     if not isinstance(version, str):
-        raise ManifestError(f"'format_version' must be a 'MAJOR.MINOR' string, got {_show(version)}")
+        raise ManifestError(
+            f"'format_version' must be a 'MAJOR.MINOR' string, got {_show(version)}",
+            requirement=_rule(version, "MAN-9"),
+        )
     if _VERSION.fullmatch(version) is None:
         raise ManifestError(
             f"'format_version' must be 'MAJOR.MINOR' without leading zeros, got {_show(version)}", requirement="VER-2"
@@ -305,7 +327,7 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
     if value is None:
         return ()
     if type(value) is not list:
-        raise ManifestError("'extensions' must be an array")
+        raise ManifestError("'extensions' must be an array", requirement="MAN-7")
     out = []
     for raw in value:
         raw = _obj(raw, "an extension")
@@ -331,19 +353,19 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
 
 def _parse_files(value: object) -> tuple[FileRecord, ...]:
     if type(value) is not list:
-        raise ManifestError("'files' must be an array")
+        raise ManifestError("'files' must be an array", requirement=_rule(value, "MAN-11"))
     out = []
     previous = ""
     for raw in value:
         raw = _obj(raw, "a file record")
         if len(raw) != len(_FILE):
             _extras(raw, _FILE, 3)
-        path = paths.check_path(raw.get("path"), where="files")
+        path = paths.check_path(raw.get("path"), where="files", absent="MAN-13")
         if path <= previous:
             raise ManifestError("'files' must be sorted by path with no duplicates", path=path, requirement="MAN-16")
         previous = path
-        size = _int(raw.get("size"), "file 'size'", path=path)
-        digest = _digest(raw.get("digest"), "file 'digest'", path=path)
+        size = _int(raw.get("size"), "file 'size'", "MAN-14", path=path)
+        digest = _digest(raw.get("digest"), "file 'digest'", "MAN-15", path=path)
         out.append(FileRecord(path=path, size=size, digest=digest))
     return tuple(out)
 
@@ -406,7 +428,7 @@ def _parse_chunk_slow(
     raw: object, sizes: Mapping[str, int], dtype_size: int, rank: int, where: dict[str, Any]
 ) -> ChunkRecord:
     if type(raw) is not dict:
-        raise _fail("a chunk must be a JSON object", **where)
+        raise _fail("a chunk must be a JSON object", requirement="MAN-7", **where)
     _extras(raw, _CHUNK, 7, **where)
     path = raw.get("path")
     if not isinstance(path, str) or path not in sizes:
@@ -420,15 +442,15 @@ def _parse_chunk_slow(
     key = raw.get("key")
     if not isinstance(key, str) or not key:
         raise ManifestError("chunk 'key' must be a non-empty string", requirement="TEN-7", **where)
-    offsets = _ints(raw.get("offsets"), "chunk 'offsets'", **where)
-    shape = _ints(raw.get("shape"), "chunk 'shape'", **where)
+    offsets = _ints(raw.get("offsets"), "chunk 'offsets'", "TEN-8", **where)
+    shape = _ints(raw.get("shape"), "chunk 'shape'", "TEN-9", **where)
     if len(offsets) != rank or len(shape) != rank:
         raise ChunkLayoutError(f"chunk offsets/shape must have the tensor's rank {rank}", requirement="TEN-15", **where)
     rng = raw.get("range")
     if type(rng) is not list or len(rng) != 2:
-        raise ManifestError("chunk 'range' must be [begin, end]", requirement="TEN-10", **where)
-    begin = _int(rng[0], "chunk range begin", **where)
-    end = _int(rng[1], "chunk range end", **where)
+        raise ManifestError("chunk 'range' must be [begin, end]", requirement=_rule(rng, "TEN-10"), **where)
+    begin = _int(rng[0], "chunk range begin", "TEN-20", **where)
+    end = _int(rng[1], "chunk range end", "TEN-20", **where)
     if begin > end or end > sizes[path]:
         raise ManifestError(
             f"chunk range [{begin}, {end}] does not fit in file {path!r} of {sizes[path]} bytes",
@@ -443,6 +465,7 @@ def _parse_chunk_slow(
         if end - begin != count * dtype_size:
             raise _fail(
                 f"chunk of shape {list(shape)} needs {count * dtype_size} bytes, range holds {end - begin}",
+                requirement="TEN-21",
                 **where,
             )
     return ChunkRecord(
@@ -452,7 +475,7 @@ def _parse_chunk_slow(
         shape=shape,
         begin=begin,
         end=end,
-        digest=_digest(raw.get("digest"), "chunk 'digest'", **where),
+        digest=_digest(raw.get("digest"), "chunk 'digest'", "TEN-11", **where),
         codec=codec,
     )
 
@@ -461,14 +484,14 @@ def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) 
     where: dict[str, Any] = {"field": fname, "tensor": name}
     problem = paths.tensor_name_problem(name)
     if problem:
-        raise _fail(problem, **where)
+        raise _fail(problem, requirement="TEN-2", **where)
     raw = _obj(raw, "a tensor record", **where)
     if len(raw) != len(_TENSOR):
         _extras(raw, _TENSOR, 5, **where)
     dtype = raw.get("dtype")
     if not isinstance(dtype, str):
         raise ManifestError(f"tensor 'dtype' must be a string, got {_show(dtype)}", requirement="TEN-3", **where)
-    shape = _ints(raw.get("shape"), "tensor 'shape'", **where)
+    shape = _ints(raw.get("shape"), "tensor 'shape'", "TEN-4", **where)
     problem = dtypes.shape_size_problem(shape, dtypes.ITEMSIZE.get(dtype, 1))
     if problem:
         raise ManifestError(f"tensor {problem}", requirement="TEN-23", **where)
@@ -521,7 +544,7 @@ def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecor
             raise ManifestError("a context field needs 'context'", field=name, requirement="MAN-23")
         return FieldRecord(kind="context", context=context)
     if kind == "tensors":
-        tensors = _obj(raw.get("tensors"), "field 'tensors'", field=name)
+        tensors = _obj(raw.get("tensors"), "field 'tensors'", "MAN-22", field=name)
         parsed = {t: _parse_tensor(t, rec, sizes, name) for t, rec in tensors.items()}
         return FieldRecord(kind="tensors", tensors=parsed, context=context)
     raise ManifestError(
@@ -596,19 +619,23 @@ def parse_manifest(data: bytes) -> Manifest:
     doc, canonical = _load(data)
     if not canonical:  # (canonical bytes are UTF-8 throughout: no lone surrogate can hide in them)
         _check_unicode(doc)
-    doc = _obj(doc, "the manifest")
+    if type(doc) is not dict:
+        raise ManifestError(f"the manifest must be a JSON object, got {type(doc).__name__}", requirement="MAN-4")
     _extras(doc, _TOP - {"extensions", "metadata"}, 1)
     version = _parse_version(doc)
     extensions = _parse_extensions(doc.get("extensions"))
     profile = doc.get("profile")
     if type(profile) is not str or profile not in PROFILES:
-        raise ManifestError(f"unknown profile {_show(profile)}; known: {', '.join(PROFILES)}")
+        raise ManifestError(
+            f"unknown profile {_show(profile)}; known: {', '.join(PROFILES)}",
+            requirement="PRO-1" if type(profile) is str else _rule(profile, "MAN-10"),
+        )
     metadata = doc.get("metadata", {})
     if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
-        raise ManifestError("'metadata' must map strings to strings")
+        raise ManifestError("'metadata' must map strings to strings", requirement="MAN-7")
     files = _parse_files(doc.get("files"))
     sizes = {f.path: f.size for f in files}
-    raw_fields = _obj(doc.get("fields"), "'fields'")
+    raw_fields = _obj(doc.get("fields"), "'fields'", "MAN-12")
     fields = {name: _parse_field(name, raw, sizes) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
     _check_chunk_keys(fields)
@@ -626,11 +653,14 @@ def _check_profile(profile: str, fields: Mapping[str, FieldRecord]) -> None:
     for name, kind in PROFILES[profile].items():
         record = fields.get(name)
         if record is None:
-            raise MissingFieldError(f"profile {profile!r} requires field {name!r}, which is absent", field=name)
+            raise MissingFieldError(
+                f"profile {profile!r} requires field {name!r}, which is absent", field=name, requirement="PRO-3"
+            )
         if record.kind != kind:
             raise MissingFieldError(
                 f"profile {profile!r} requires field {name!r} of kind {kind!r}, found kind {record.kind!r}",
                 field=name,
+                requirement="PRO-3",
             )
 
 
@@ -646,5 +676,6 @@ def _check_chunk_keys(fields: Mapping[str, FieldRecord]) -> None:
                         f"entry {chunk.key!r} of file {chunk.path!r} is claimed by two chunks",
                         field=fname,
                         tensor=tname,
+                        requirement="TEN-22",
                     )
                 seen.add(entry)

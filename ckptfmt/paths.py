@@ -16,25 +16,28 @@ _FIELD = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def check_path(path: object, *, where: str = "manifest") -> str:
+def check_path(path: object, *, where: str = "manifest", absent: str | None = None) -> str:
     """Return ``path`` if it is a safe relative checkpoint path, else raise UnsafePathError.
 
     Relative, '/'-separated, normalized: no '..', no '.', no empty segment, no leading '.' in any
     segment (hidden names are the writer's temp and lock files), never the manifest itself.
     """
     if not isinstance(path, str):
-        raise UnsafePathError(f"{where}: a path must be a string, got {type(path).__name__}")
+        # a missing path breaks the record's own rule (``absent``), any other type MAN-7
+        requirement = absent if path is None else "MAN-7"
+        raise UnsafePathError(f"{where}: a path must be a string, got {type(path).__name__}", requirement=requirement)
     if not path or len(path.encode("utf-8")) > MAX_PATH_BYTES:
-        raise UnsafePathError(f"{where}: path must be 1..{MAX_PATH_BYTES} bytes", path=path)
+        raise UnsafePathError(f"{where}: path must be 1..{MAX_PATH_BYTES} bytes", path=path, requirement="PTH-2")
     for segment in path.split("/"):
         if _SEGMENT.fullmatch(segment) is None:
             raise UnsafePathError(
                 f"{where}: segment {segment!r} breaks the path grammar (relative, no '..', no absolute "
                 "path, segments of [A-Za-z0-9._-] not starting with '.')",
                 path=path,
+                requirement="PTH-2",
             )
     if path == MANIFEST_NAME:
-        raise UnsafePathError(f"{where}: a data path must not be the manifest itself", path=path)
+        raise UnsafePathError(f"{where}: a data path must not be the manifest itself", path=path, requirement="PTH-2")
     return path
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .context import decode
 from .digests import Hasher, algorithm_of, format_digest, new_hasher
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsafePathError
 from .fields import check_standard_field
 from .manifest import ChunkRecord
 
@@ -30,14 +30,22 @@ class Problem:
     path: str | None = None
     field: str | None = None
     tensor: str | None = None
+    requirement: str | None = None  # the spec rule it breaks (conformance/README.md, strict protocol)
 
     @classmethod
     def from_error(cls, exc: CheckpointError) -> Problem:
-        return cls(code=exc.code, message=exc.message, path=exc.path, field=exc.field, tensor=exc.tensor)
+        return cls(
+            code=exc.code,
+            message=exc.message,
+            path=exc.path,
+            field=exc.field,
+            tensor=exc.tensor,
+            requirement=exc.requirement,
+        )
 
     def to_dict(self) -> dict[str, str]:
         out = {"code": self.code, "message": self.message}
-        for key in ("path", "field", "tensor"):
+        for key in ("path", "field", "tensor", "requirement"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
@@ -97,13 +105,25 @@ def verify_checkpoint(
     for file in ckpt.manifest.files:
         fname, chunk_list = owners.get(file.path, ("", []))
         where = {"path": file.path, "field": fname or None}
+        if file.path not in present or present[file.path] != file.size:
+            # a symlink (PTH-3) or a special file (PTH-4) also looks missing or of another size: the
+            # regular-file open of the store says which, before MAN-28 or MAN-19 is blamed
+            refusal = _not_regular(ckpt, file.path)
+            if refusal is not None:
+                report.add(refusal.locate(path=file.path, field=fname or None))
+                continue
         if file.path not in present:
-            report.problems.append(_problem("missing_file", "file is missing", **where))
+            report.problems.append(_problem("missing_file", "file is missing", requirement="MAN-28", **where))
             continue
         actual_size = present[file.path]
         if actual_size != file.size:
             report.problems.append(
-                _problem("size_mismatch", f"file has {actual_size} bytes, manifest says {file.size}", **where)
+                _problem(
+                    "size_mismatch",
+                    f"file has {actual_size} bytes, manifest says {file.size}",
+                    requirement="MAN-19",
+                    **where,
+                )
             )
             if progress:
                 progress(file.size)
@@ -136,6 +156,19 @@ def verify_checkpoint(
         except CheckpointError as exc:
             report.add(exc.locate(path=record.context, field=fname))
     return report
+
+
+def _not_regular(ckpt: Checkpoint, path: str) -> CheckpointError | None:
+    """The error of opening ``path`` as a regular file if it is a symlink or not a regular file, else None."""
+    try:
+        ckpt.store.size(path)
+    except UnsafePathError as exc:
+        if exc.requirement is None:  # the stores name no rule: a symlink on the way is PTH-3, the rest PTH-4
+            exc.requirement = "PTH-3" if "symlink" in exc.message else "PTH-4"
+        return exc
+    except CheckpointError:
+        return None  # missing, or unreadable: the size and presence checks say so
+    return None
 
 
 def _check_header(ckpt: Checkpoint, path: str, size: int, report: VerifyReport) -> None:
@@ -190,7 +223,13 @@ def _check_digests(
     actual = format_digest(algorithm_of(digest), file_hasher)
     if actual != digest:
         report.problems.append(
-            _problem("digest_mismatch", f"file hashes to {actual}, manifest says {digest}", path=path, field=fname)
+            _problem(
+                "digest_mismatch",
+                f"file hashes to {actual}, manifest says {digest}",
+                path=path,
+                field=fname,
+                requirement="DIG-4",
+            )
         )
 
 
@@ -206,5 +245,6 @@ def _finish_chunk(tname: str, chunk: ChunkRecord, hasher: Hasher, path: str, fna
                 path=path,
                 field=fname,
                 tensor=tname,
+                requirement="DIG-4",
             )
         )

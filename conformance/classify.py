@@ -1,10 +1,10 @@
 """The reader protocol as a judge: what one call of a reader adapter means for one vector.
 
-This is the only place that decides what counts as an acceptance or a refusal. Today's protocol
-(conformance/README.md) takes any non-zero exit as a refusal. The strict protocol of issue 14 (exit
-status 1, stderr's first line starting with a requirement ID the vector names, nothing on stdout;
-anything else "crashed" or "refused for the wrong reason") changes :func:`judge_invalid` only: the
-refusal's parts are already parsed (:class:`Refusal`) and the kinds exist in :class:`~.results.Kind`.
+This is the only place that decides what counts as an acceptance or a refusal. The protocol is the
+strict one of conformance/README.md: a refusal is exit status 1, nothing on stdout, and stderr's
+first line starting with a requirement ID among the vector's ``requirements`` or ``also``; a signal
+or another exit status is "crashed", a missing or other ID (or output on stdout) "refused for the
+wrong reason". A reader that merely dies on what it cannot handle therefore passes no invalid vector.
 """
 
 from __future__ import annotations
@@ -75,14 +75,35 @@ def _last_line(text: str) -> str:
     return lines[-1][:100] if lines else ""
 
 
+REFUSAL_STATUS = 1
+
+
 def judge_invalid(ex: Exchange, requirements: tuple[str, ...], also: tuple[str, ...]) -> Verdict:
-    """An invalid vector: the reader must refuse it (today: any non-zero exit status)."""
-    del requirements, also  # the strict protocol compares Refusal.refused_on with these
+    """An invalid vector: the reader must refuse it, naming a rule the vector breaks (strict protocol)."""
     if ex.status is None:
         return Verdict(kind=Kind.NO_ANSWER, got="no answer", detail=f"no answer in {ex.timeout:g} s")
     if ex.status == 0:
         return Verdict(kind=Kind.ACCEPTED_INVALID, got="accepted", detail=f"exit status 0; stdout: {ex.stdout[:200]!r}")
-    return Verdict(kind=Kind.PASSED, got="rejected", detail=Refusal.of(ex).describe())
+    refusal = Refusal.of(ex)
+    detail = refusal.describe()
+    if refusal.status != REFUSAL_STATUS:
+        return Verdict(kind=Kind.CRASHED, got=f"crashed ({detail.split(';', 1)[0]})", detail=detail)
+    if not refusal.stdout_empty:
+        return Verdict(
+            kind=Kind.WRONG_REASON,
+            got="refused, but printed on stdout",
+            detail=f"{detail}; stdout: {ex.stdout[:200]!r}",
+        )
+    if refusal.refused_on is None:
+        return Verdict(kind=Kind.WRONG_REASON, got="refused without a requirement ID", detail=detail)
+    if refusal.refused_on not in requirements and refusal.refused_on not in also:
+        named = ", ".join((*requirements, *also))
+        return Verdict(
+            kind=Kind.WRONG_REASON,
+            got=f"refused on {refusal.refused_on}, not on {named}",
+            detail=detail,
+        )
+    return Verdict(kind=Kind.PASSED, got=f"rejected: {refusal.refused_on}", detail=detail)
 
 
 def judge_valid(ex: Exchange, expected: Any) -> Verdict:

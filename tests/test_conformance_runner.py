@@ -173,7 +173,7 @@ def test_an_adapter_that_cannot_start_or_none_at_all_is_a_usage_error(tmp_path: 
 
 
 def test_a_crashing_reader_with_binary_stderr_does_not_break_the_runner(tmp_path: Path) -> None:
-    """Today any non-zero exit is a refusal (issue 14 makes this strict); the outputs still show the crash."""
+    """A signal is a crash, not a refusal (strict protocol); the outputs show it, whatever bytes it printed."""
     crash = script(
         tmp_path,
         "crash.py",
@@ -187,9 +187,10 @@ def test_a_crashing_reader_with_binary_stderr_does_not_break_the_runner(tmp_path
     vectors = subset(tmp_path, "valid/weights", "invalid/chunks-overlap")
     proc = ckpt("run", "--reader", crash, "--vectors", str(vectors), "--junit-xml", "j.xml", "--json", "r.json",
                 cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == "1 passed, 1 failed", proc.stdout + proc.stderr
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == "0 passed, 2 failed", proc.stdout + proc.stderr
     results = {r["vector"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
     assert results["invalid/chunks-overlap"]["exit_status"] == -9
+    assert results["invalid/chunks-overlap"]["kind"] == "crashed"
     assert "killed by SIGKILL" in results["invalid/chunks-overlap"]["detail"]
     assert results["valid/weights"]["kind"] == "refused-valid"
     err = ET.parse(tmp_path / "j.xml").getroot().find(".//testcase[failure]/system-err")
@@ -211,6 +212,25 @@ def test_the_judge_of_invalid_vectors() -> None:
     refusal = Refusal.of(exchange(1, stderr="\nTEN-17: chunks overlap\n"))
     assert (refusal.refused_on, refusal.stdout_empty) == ("TEN-17", True)
     assert Refusal.of(exchange(1, stderr="error [chunk_layout]: overlap")).refused_on is None
+
+
+@pytest.mark.parametrize(
+    ("status", "stdout", "stderr", "kind"),
+    [
+        (1, "", "TEN-16: chunk outside the tensor", Kind.PASSED),  # an ID the vector names in also
+        (2, "", "TEN-17: chunks overlap", Kind.CRASHED),  # right ID, wrong exit status
+        (-11, "", "TEN-17: chunks overlap", Kind.CRASHED),  # a signal
+        (134, "", "", Kind.CRASHED),
+        (1, "", "Traceback (most recent call last):", Kind.WRONG_REASON),  # no ID
+        (1, "", "error: TEN-17: chunks overlap", Kind.WRONG_REASON),  # the ID must start the line
+        (1, "", "TEN-18: chunks leave a gap", Kind.WRONG_REASON),  # an ID the vector does not name
+        (1, "", "TEN-1: chunks overlap", Kind.WRONG_REASON),  # TEN-1 is not TEN-17
+        (1, "partial output", "TEN-17: chunks overlap", Kind.WRONG_REASON),  # stdout must be empty
+        (0, "{}", "", Kind.ACCEPTED_INVALID),
+    ],
+)
+def test_the_strict_judge(status: int, stdout: str, stderr: str, kind: Kind) -> None:
+    assert judge_invalid(exchange(status, stdout, stderr), ("TEN-17",), ("TEN-16",)).kind is kind
 
 
 def test_the_judge_of_valid_vectors() -> None:

@@ -1,0 +1,314 @@
+"""Mutation testing of the suite itself: does every refusal check of the reference reader matter?
+
+A mutant is the reference reader with one requirement's refusals disabled. It is made at the AST
+level, so the library carries no switch for it: in a copy of each ``ckptfmt`` module's source, every
+simple statement (``raise ...``, or an expression statement such as ``report.problems.append(...)``
+or ``_require(ok, ..., "FLD-2")``) holding the string literal of that requirement ID is replaced by
+``pass``. A worker process imports ``ckptfmt`` with those modules swapped in (a meta-path finder) and
+runs every reader vector in process through :func:`ckptfmt.describe.describe`, judged exactly as the
+runner judges ``ckpt dump --canonical`` (conformance/classify.py). The mutant is *caught* when some
+vector the unmutated reader passes now fails; one that survives shows a check no vector needs, unless
+the check is provably redundant (:data:`REDUNDANT` says which rule catches it first).
+
+``python -m conformance mutants [--only ID ...] [--lenient] [--jobs N]``: ``--lenient`` judges with the
+protocol before issue 14 (any non-zero exit is a refusal), for the "before" score in the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from .classify import Exchange, Verdict, judge_invalid, judge_valid
+from .results import Kind
+from .suite import Vector, vectors, vectors_root
+
+ID = re.compile(r"[A-Z]+-[0-9]+")
+
+# Checks whose mutant survives because another check, run before or after it on every path a
+# vector can take, refuses the same input with an ID the vector names. Each entry says which.
+REDUNDANT: dict[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Site:
+    module: str  # "ckptfmt.manifest"
+    line: int
+
+
+def _library_root() -> Path:
+    import ckptfmt
+
+    return Path(ckptfmt.__file__).resolve().parent
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """The reader's modules: ckptfmt's top-level ones (not torch/, importers or the CLI)."""
+    return {f"ckptfmt.{p.stem}" if p.stem != "__init__" else "ckptfmt": p for p in sorted(root.glob("*.py"))}
+
+
+def _ids_in(node: ast.AST) -> set[str]:
+    return {
+        n.value
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and ID.fullmatch(n.value)
+    }
+
+
+def _targets(tree: ast.AST) -> list[ast.stmt]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Raise, ast.Expr)) and not _is_docstring(n)]
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def sites(root: Path | None = None) -> dict[str, list[Site]]:
+    """Every requirement ID a refusal statement of the reader names, with where."""
+    out: dict[str, list[Site]] = {}
+    for name, path in _modules(root or _library_root()).items():
+        for stmt in _targets(ast.parse(path.read_text(encoding="utf-8"))):
+            for rid in _ids_in(stmt):
+                out.setdefault(rid, []).append(Site(module=name, line=stmt.lineno))
+    return dict(sorted(out.items(), key=lambda item: _key(item[0])))
+
+
+def _key(rid: str) -> tuple[str, int]:
+    family, number = rid.split("-")
+    return family, int(number)
+
+
+class _Disable(ast.NodeTransformer):
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        node = super().generic_visit(node)
+        if isinstance(node, (ast.Raise, ast.Expr)) and not _is_docstring(node) and self.rid in _ids_in(node):
+            return ast.copy_location(ast.Pass(), node)
+        return node
+
+
+def mutated_sources(rid: str, root: Path | None = None) -> dict[str, str]:
+    """module name -> source with ``rid``'s refusal statements replaced by ``pass`` (only modules that change)."""
+    out = {}
+    for name, path in _modules(root or _library_root()).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if not any(rid in _ids_in(s) for s in _targets(tree)):
+            continue
+        out[name] = ast.unparse(ast.fix_missing_locations(_Disable(rid).visit(tree)))
+    return out
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the mutated modules instead of the real ones (installed first in sys.meta_path)."""
+
+    def __init__(self, sources: dict[str, str], root: Path) -> None:
+        self.sources = sources
+        self.root = root
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.sources:
+            return None
+        is_package = fullname == "ckptfmt"
+        origin = self.root / ("__init__.py" if is_package else f"{fullname.rsplit('.', 1)[1]}.py")
+        spec = importlib.util.spec_from_loader(fullname, self, origin=str(origin), is_package=is_package)
+        if spec is not None and is_package:
+            spec.submodule_search_locations = [str(self.root)]
+        return spec
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__file__ = module.__spec__.origin if module.__spec__ else None
+        exec(compile(self.sources[module.__name__], module.__file__ or module.__name__, "exec"), module.__dict__)
+
+
+# ---------------------------------------------------------------- the reader, in process
+
+
+def exchange_in_process(vec: Vector) -> Exchange:
+    """What ``ckpt dump --canonical <vec>/checkpoint`` would answer, without a process per vector."""
+    from ckptfmt.canonical import canonical_json
+    from ckptfmt.describe import describe, refusal_line
+    from ckptfmt.errors import CheckpointError
+
+    argv = ("describe", str(vec.path / "checkpoint"))
+    start = time.monotonic()
+    stdout, stderr, status = "", "", 0
+    try:
+        stdout = canonical_json(describe(vec.path / "checkpoint")).decode("utf-8") + "\n"
+    except CheckpointError as exc:
+        # as cli/dump.py: an error naming no requirement goes through cli/errors.py (exit 1, or 2 for I/O)
+        status = 1 if exc.requirement is not None or exc.code not in _USAGE_CODES else 2
+        stderr = refusal_line(exc) + "\n"
+    except Exception as exc:  # a crash of the reader is an outcome here
+        status, stderr = 1, f"Traceback (most recent call last): {type(exc).__name__}: {exc}\n"
+    return Exchange(argv=argv, status=status, stdout=stdout, stderr=stderr, seconds=time.monotonic() - start, timeout=0)
+
+
+_USAGE_CODES = frozenset({"usage", "storage", "not_found", "exists", "locked", "no_such_field"})
+
+
+def judge(vec: Vector, ex: Exchange, *, lenient: bool = False) -> Verdict:
+    if vec.kind == "valid":
+        return judge_valid(ex, json.loads((vec.path / "expected.json").read_bytes()))
+    if lenient and ex.status not in (None, 0):  # the protocol before issue 14: any non-zero exit refuses
+        return Verdict(kind=Kind.PASSED, got="rejected")
+    return judge_invalid(ex, vec.requirements, vec.also)
+
+
+def outcomes(root: Path, *, lenient: bool = False) -> dict[str, str]:
+    """vector name -> outcome kind, for every reader vector, run in this process."""
+    return {
+        vec.name: judge(vec, exchange_in_process(vec), lenient=lenient).kind.value
+        for vec in vectors(root)
+        if vec.kind in ("valid", "invalid")
+    }
+
+
+def _worker(rid: str | None, root: Path, lenient: bool) -> int:
+    if rid is not None:
+        sources = mutated_sources(rid)
+        for name in [m for m in sys.modules if m == "ckptfmt" or m.startswith("ckptfmt.")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, _Finder(sources, _library_root()))
+    print(json.dumps(outcomes(root, lenient=lenient)))
+    return 0
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mutant:
+    requirement: str
+    sites: tuple[Site, ...]
+    killed_by: tuple[str, ...]  # vectors that pass unmutated and fail with it
+    error: str = ""  # the worker failed (the mutant does not even import): counted as caught
+
+    @property
+    def caught(self) -> bool:
+        return bool(self.killed_by) or bool(self.error)
+
+
+def _run_worker(rid: str | None, root: Path, lenient: bool) -> dict[str, str] | str:
+    argv = [sys.executable, "-m", "conformance.mutants", "--worker", rid or "-", "--vectors", str(root)]
+    if lenient:
+        argv.append("--lenient")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False, env=env)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["worker failed"])[-1]
+    result: dict[str, str] = json.loads(proc.stdout)
+    return result
+
+
+def sweep(
+    only: Sequence[str] = (), *, root: Path | None = None, lenient: bool = False, jobs: int = 1
+) -> tuple[dict[str, str], list[Mutant]]:
+    """The unmutated outcomes, and one :class:`Mutant` per requirement ID with refusal sites (or ``only``)."""
+    root = vectors_root(root)
+    all_sites = sites()
+    wanted = [rid for rid in all_sites if not only or rid in only]
+    base = _run_worker(None, root, lenient)
+    if isinstance(base, str):
+        raise RuntimeError(f"the unmutated reader failed: {base}")
+    passing = {name for name, kind in base.items() if kind == Kind.PASSED.value}
+
+    def one(rid: str) -> Mutant:
+        got = _run_worker(rid, root, lenient)
+        if isinstance(got, str):
+            return Mutant(requirement=rid, sites=tuple(all_sites[rid]), killed_by=(), error=got)
+        killed = tuple(sorted(name for name in passing if got.get(name) != Kind.PASSED.value))
+        return Mutant(requirement=rid, sites=tuple(all_sites[rid]), killed_by=killed)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return base, list(pool.map(one, wanted))
+
+
+def score(mutants: list[Mutant]) -> tuple[int, int, int]:
+    """(caught, redundant survivors, total)."""
+    caught = sum(m.caught for m in mutants)
+    redundant = sum(not m.caught and m.requirement in REDUNDANT for m in mutants)
+    return caught, redundant, len(mutants)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conformance mutants", description=__doc__)
+    parser.add_argument("--only", action="append", default=[], metavar="ID", help="only this requirement's mutant")
+    parser.add_argument("--lenient", action="store_true", help="judge with the protocol before issue 14")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes at once")
+    parser.add_argument("--vectors", type=Path, default=None, help="vector tree (default: the suite's own)")
+    parser.add_argument("--json", dest="json_path", type=Path, metavar="FILE", help="write every mutant as JSON")
+    parser.add_argument("--worker", metavar="ID", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    root = vectors_root(args.vectors)
+    if args.worker is not None:
+        return _worker(None if args.worker == "-" else args.worker, root, args.lenient)
+
+    start = time.monotonic()
+    base, mutants = sweep(args.only, root=root, lenient=args.lenient, jobs=args.jobs)
+    failing = sorted(name for name, kind in base.items() if kind != Kind.PASSED.value)
+    if failing:
+        print(f"the unmutated reader fails {len(failing)} vector(s): {', '.join(failing[:10])}")
+    for m in mutants:
+        where = ", ".join(f"{s.module.removeprefix('ckptfmt.')}:{s.line}" for s in m.sites)
+        if m.error:
+            verdict = f"caught (the mutant fails to run: {m.error[:80]})"
+        elif m.caught:
+            verdict = (
+                f"caught by {len(m.killed_by)}: {', '.join(m.killed_by[:3])}{' ...' if len(m.killed_by) > 3 else ''}"
+            )
+        elif m.requirement in REDUNDANT:
+            verdict = f"survived, redundant: {REDUNDANT[m.requirement]}"
+        else:
+            verdict = "SURVIVED"
+        print(f"{m.requirement:8} {verdict}  [{where}]")
+    caught, redundant, total = score(mutants)
+    protocol = "lenient" if args.lenient else "strict"
+    print(
+        f"{caught} of {total} mutants caught ({100 * caught / max(total, 1):.0f}%), {redundant} redundant, "
+        f"{total - caught - redundant} survived; {protocol} protocol, {time.monotonic() - start:.0f} s"
+    )
+    if args.json_path:
+        doc = {
+            "protocol": protocol,
+            "caught": caught,
+            "redundant": redundant,
+            "total": total,
+            "mutants": [
+                {
+                    "requirement": m.requirement,
+                    "caught": m.caught,
+                    "killed_by": list(m.killed_by),
+                    "error": m.error,
+                    "redundant": REDUNDANT.get(m.requirement, "") if not m.caught else "",
+                    "sites": [f"{s.module}:{s.line}" for s in m.sites],
+                }
+                for m in mutants
+            ],
+        }
+        args.json_path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0 if caught + redundant == total and not failing else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
