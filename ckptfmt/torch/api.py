@@ -85,7 +85,7 @@ def capture(
     defer: bool = False,
     data_policy: Policy = "strict",
     steps_passed: bool = True,
-    optimizer_by_name: bool = False,
+    optimizer_by_name: bool = True,
 ) -> Snapshot:
     """Snapshot all seven fields (plus scheduler, scaler and extras) into host memory.
 
@@ -95,7 +95,8 @@ def capture(
     advanced while ``steps_passed``; a loader whose sampler cannot report its position) is refused under
     ``data_policy="strict"``, warned about under ``"warn"``.
     ``code``: the training code's git state if already known (see :func:`ckptfmt.provenance.capture`).
-    ``optimizer_by_name``: key optimizer state by parameter name (what a sharded, multi-rank save needs).
+    ``optimizer_by_name``: key optimizer state by parameter name (the default: it survives a change of
+    parallelism); False keys it by the parameter's index in the optimizer, as ckptfmt before 0.2 did.
     """
     source = data_source(sampler=sampler, loader=loader)
     if source is None:
@@ -152,7 +153,6 @@ def save(
         sampler=sampler,
         loader=loader,
         config=config,
-        optimizer_by_name=collective is not None,
         **kwargs,
     )
     store = open_store(url, storage_options)

@@ -160,7 +160,6 @@ class CheckpointManager:
             config=config,
             data_policy=self.data_policy,
             steps_passed=step > (self._step or 0),
-            optimizer_by_name=self.collective is not None,
             parent=self.last_checkpoint_id,
             buffers=self._buffers if self.async_save else None,
             code=self._code,

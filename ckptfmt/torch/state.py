@@ -180,14 +180,17 @@ def capture_optimizer(
     parallel moments are DTensors sharded like their parameters, saved as this rank's shards.
     With ``defer``, the state tensors are left for :meth:`Snapshot.materialize`.
     """
-    if model is not None:
+    if model is None:
+        state_dict: dict[str, Any] = optimizer.state_dict()
+        keyed = "index"
+    elif any(is_dtensor(p) for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state_dict: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+        state_dict = dict(get_optimizer_state_dict(model, optimizer))  # FQN-keyed, DTensor state as is
         keyed = "fqn"
     else:
-        state_dict = optimizer.state_dict()
-        keyed = "index"
+        state_dict = _by_name(optimizer.state_dict(), _param_names(model, optimizer))
+        keyed = "fqn"
     tensors: dict[str, Stored] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, entry in state_dict["state"].items():
@@ -206,6 +209,41 @@ def capture_optimizer(
         "keys": keyed,
         "param_groups": _plain(state_dict["param_groups"], "param_groups"),
         "scalars": scalars,
+    }
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter of ``optimizer`` in its state_dict's index order (a tied parameter:
+    its first name, as ``named_parameters`` gives it)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None:
+                raise UsageError("the optimizer holds a parameter that is not the model's: pass the model it trains")
+            out.append(name)
+    return out
+
+
+def _by_name(state_dict: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state_dict keyed by parameter index, re-keyed by parameter name."""
+    return {
+        "state": {names[int(i)]: entry for i, entry in state_dict["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]],
+    }
+
+
+def _by_index(state_dict: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`_by_name` for the optimizer whose parameters are ``names``."""
+    index = {n: i for i, n in enumerate(names)}
+    unknown = [n for g in state_dict["param_groups"] for n in g["params"] if n not in index]
+    unknown += [n for n in state_dict["state"] if n not in index]
+    if unknown:
+        raise UsageError(f"the checkpoint has optimizer state for parameters the model lacks: {sorted(unknown)[:5]}")
+    return {
+        "state": {index[n]: entry for n, entry in state_dict["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state_dict["param_groups"]],
     }
 
 
@@ -233,7 +271,10 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: tor
         for fqn, entries in context.get("scalars", {}).items():
             by_name.setdefault(fqn, {}).update(_torchify(entries))
         loaded: dict[str, Any] = {"state": by_name, "param_groups": _groups(context["param_groups"])}
-        set_optimizer_state_dict(model, optimizer, loaded)
+        if any(is_dtensor(p) for p in model.parameters()):
+            set_optimizer_state_dict(model, optimizer, loaded)
+        else:
+            optimizer.load_state_dict(_by_index(loaded, _param_names(model, optimizer)))
         return
     state: dict[int, dict[str, Any]] = {}
     for name, array in snap.tensors["optimizer"].items():
