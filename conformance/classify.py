@@ -54,7 +54,7 @@ class Refusal:
     @classmethod
     def of(cls, ex: Exchange) -> Refusal:
         assert ex.status is not None
-        first = ex.stderr.lstrip("\n").split("\n", 1)[0].strip()
+        first = ex.stderr.split("\n", 1)[0].rstrip("\r")  # the first line, as written: not the first non-blank
         m = REFUSED_ON.match(first)
         return cls(status=ex.status, first_line=first, refused_on=m.group(1) if m else None, stdout_empty=not ex.stdout)
 

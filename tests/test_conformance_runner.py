@@ -209,8 +209,10 @@ def test_the_judge_of_invalid_vectors() -> None:
     assert judge_invalid(exchange(None), ("TEN-17",), ()).kind is Kind.NO_ANSWER
     refused = judge_invalid(exchange(1, stderr="TEN-17: chunks overlap\nmore"), ("TEN-17",), ())
     assert refused.kind is Kind.PASSED and refused.detail == "exit status 1; stderr: 'TEN-17: chunks overlap'"
-    refusal = Refusal.of(exchange(1, stderr="\nTEN-17: chunks overlap\n"))
-    assert (refusal.refused_on, refusal.stdout_empty) == ("TEN-17", True)
+    refusal = Refusal.of(exchange(1, stderr="TEN-17: chunks overlap\r\n"))
+    assert (refusal.refused_on, refusal.first_line, refusal.stdout_empty) == ("TEN-17", "TEN-17: chunks overlap", True)
+    assert Refusal.of(exchange(1, stderr="\nTEN-17: chunks overlap\n")).refused_on is None  # not the first line
+    assert Refusal.of(exchange(1, stderr="TEN-170x: no")).refused_on is None
     assert Refusal.of(exchange(1, stderr="error [chunk_layout]: overlap")).refused_on is None
 
 
