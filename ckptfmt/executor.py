@@ -128,7 +128,11 @@ class WriteExecutor:
                 continue
             # Header building follows encoding: an encoded entry is a U8 entry of its stored size (COD-3).
             encoded = get_codec(e.codec.name).encode(
-                view, dtype=e.dtype, itemsize=dtypes.itemsize(e.dtype), level=e.codec.level
+                view,
+                dtype=e.dtype,
+                itemsize=dtypes.itemsize(e.dtype),
+                level=e.codec.level,
+                frame_bytes=e.codec.frame_bytes,
             )
             stored = encoded.parts[0] if len(encoded.parts) == 1 else b"".join(encoded.parts)
             views.append(memoryview(stored))

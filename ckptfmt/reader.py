@@ -263,8 +263,10 @@ class Checkpoint:
                 message = f"key {chunk.key!r} is not in the header"
             elif (entry.dtype, entry.shape, entry.begin, entry.end) != (dtype, shape, chunk.begin, chunk.end):
             shape = chunk.shape
-            if chunk.codec.name != RAW:  # an encoded chunk is a U8 entry of its stored bytes (SAF-13, COD-3)
-                dtype, shape = "U8", (chunk.end - chunk.begin,)
+            if entry is not None and chunk.codec.name != RAW:
+                # SAF-13 compares only the range of an encoded chunk (a U8 entry, COD-1): a codec this reader
+                # does not know then refuses its tensor alone (TEN-14), never the file.
+                dtype, shape = entry.dtype, entry.shape
                 message = (
                     f"header says {entry.dtype}{list(entry.shape)} at [{entry.begin}, {entry.end}), manifest says "
                     f"{dtype}{list(shape)} at [{chunk.begin}, {chunk.end})"

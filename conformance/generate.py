@@ -15,6 +15,8 @@ from ckptfmt.canonical import canonical_json
 from ckptfmt.describe import describe
 
 from .inputs import training_base, weights_base
+from .invalid_codecs import VECTORS as CODEC_VECTORS
+from .invalid_codecs import zstd_input
 from .invalid_context import VECTORS as CONTEXT_VECTORS
 from .invalid_manifest import VECTORS as MANIFEST_VECTORS
 from .invalid_tensors import VECTORS as TENSOR_VECTORS
@@ -24,8 +26,8 @@ from .scenarios import SCENARIOS
 from .valid import VALID
 from .values import expected_description, load
 
-INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS)
-BASES = {"weights": weights_base, "training-minimal": training_base}
+INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS, *CODEC_VECTORS)
+BASES = {"weights": weights_base, "training-minimal": training_base, "zstd": zstd_input}
 
 
 def _normalized(doc: dict[str, Any]) -> dict[str, Any]:

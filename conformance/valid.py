@@ -31,6 +31,7 @@ from .inputs import (
     training_base,
     weights_base,
 )
+from .invalid_codecs import to_zstd, zstd_input
 from .mutations import Json, Tree
 
 
@@ -453,6 +454,17 @@ VALID: tuple[Valid, ...] = (
         weights_base,
         post=lambda t: t.edit(unknown_keys),
         writer=False,
+    ),
+    Valid(
+        "zstd",
+        ("COD-1", "COD-2", "COD-3", "COD-4", "COD-5", "SAF-13", "VER-1"),
+        "Floating tensors of every width compressed with zstd (byte planes, frames of 4096 raw bytes, one tensor "
+        "in three frames, one in two zstd chunks); integer and tiny tensors raw, in a data file of their own; "
+        "format_version 1.1.",
+        zstd_input,
+        post=to_zstd,
+        writer=False,
+        expect=lambda d: d.update(format_version="1.1"),
     ),
     Valid(
         "minor-version",

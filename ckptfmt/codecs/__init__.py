@@ -48,8 +48,11 @@ class ChunkCodec(Protocol):
 
     name: str
 
-    def encode(self, data: memoryview, *, dtype: str, itemsize: int, level: int) -> Encoded:
-        """The stored form of a chunk's raw little-endian C-order bytes."""
+    def encode(
+        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
+    ) -> Encoded:
+        """The stored form of a chunk's raw little-endian C-order bytes (``frame_bytes``: the codec's default
+        when None)."""
         ...
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:
@@ -99,6 +102,7 @@ class WriteCodec:
 
     name: str = RAW
     level: int = 1
+    frame_bytes: int | None = None  # raw bytes per frame; None: the codec's default
 
     @classmethod
     def parse(cls, value: str | WriteCodec | None) -> WriteCodec:

@@ -10,7 +10,9 @@ from . import Encoded, FrameSpan
 class RawCodec:
     name = RAW
 
-    def encode(self, data: memoryview, *, dtype: str, itemsize: int, level: int) -> Encoded:
+    def encode(
+        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
+    ) -> Encoded:
         return Encoded(parts=(data,), configuration=None)
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:

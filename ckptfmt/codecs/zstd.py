@@ -71,9 +71,12 @@ def ungroup_bytes(planes: bytes, itemsize: int, out: memoryview) -> None:
 class ZstdCodec:
     name = NAME
 
-    def encode(self, data: memoryview, *, dtype: str, itemsize: int, level: int) -> Encoded:
+    def encode(
+        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
+    ) -> Encoded:
         group = dtype in _FLOATING and itemsize > 1
-        frame = FRAME_BYTES - FRAME_BYTES % itemsize
+        frame = frame_bytes or FRAME_BYTES
+        frame = max(itemsize, frame - frame % itemsize)
         cctx = _compressor(level)
         parts: list[bytes] = []
         for lo in range(0, len(data), frame):
@@ -106,6 +109,10 @@ class ZstdCodec:
         frame = int(config["frame_bytes"])  # type: ignore[call-overload]  # checked by plan_frames
         sizes: Sequence[int] = config["frames"]  # type: ignore[assignment]
         group = config.get("bytegroup") is True and itemsize > 1
+        if group and frame % itemsize:
+            raise ManifestError(
+                f"zstd 'frame_bytes' {frame} is not a multiple of the itemsize {itemsize}", requirement="COD-4"
+            )
         index = span.raw_begin // frame
         position = 0
         for lo in range(0, span.raw_end - span.raw_begin, frame):
