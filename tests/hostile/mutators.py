@@ -306,7 +306,7 @@ def mutate_manifest(data: bytes, rng: Random) -> bytes:
         tensor["chunks"][0]["range"] = [begin, begin]
     elif op == 1:  # range boundaries
         r = chunk.get("range")
-        if isinstance(r, list) and len(r) == 2:
+        if isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r):
             b, e = r
             chunk["range"] = rng.choice(([e, b], [b, b], [b - 1, e - 1], [b, e + 1], [0, e], [b, 2**63], [-8, e]))
     else:  # many chunks: the overlap and coverage checks meet thousands of entries
@@ -608,7 +608,16 @@ def _is_json(data: bytes) -> bool:
 
 
 def mutate_file(path: str, data: bytes, rng: Random) -> bytes:
-    return MUTATORS[kind_of(path)](data, rng)
+    return guarded(MUTATORS[kind_of(path)], data, rng)
+
+
+def guarded(mutate: Callable[[bytes, Random], bytes], data: bytes, rng: Random) -> bytes:
+    """A structural mutator meeting a mutant it did not foresee falls back to a byte mutation (still determined by
+    the seed), rather than ending a long run."""
+    try:
+        return mutate(data, rng)
+    except Exception:
+        return mutate_bytes(data, rng)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Literal
 from .mutators import (
     Symlink,
     Tree,
+    guarded,
     mutate_bytes,
     mutate_json,
     mutate_manifest,
@@ -85,7 +86,7 @@ def _bytes_case(
         for _ in range(rng.choice(rounds)):
             if len(data) > MAX_INPUT_BYTES:  # copies of copies: big enough, and the memory bound is for small inputs
                 break
-            data = mutate(data, rng)
+            data = guarded(mutate, data, rng)
         return Case(data=data)
 
     return make
