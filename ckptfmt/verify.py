@@ -11,11 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import dtypes
+from .codecs import get_codec
 from .context import decode
 from .digests import Hasher, algorithm_of, format_digest, new_hasher
 from .errors import CheckpointError, UnsafePathError
 from .fields import check_standard_field
-from .manifest import ChunkRecord
+from .manifest import RAW, ChunkRecord
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
@@ -142,6 +144,12 @@ def verify_checkpoint(
                 progress(file.size)
         except CheckpointError as exc:
             report.add(exc.locate(path=file.path, field=fname or None))
+        for tname, chunk in chunk_list:
+            if chunk.codec.name != RAW:
+                try:
+                    _check_encoded(ckpt, fname, tname, chunk, decode_frames=not quick)
+                except CheckpointError as exc:
+                    report.add(exc.locate(path=file.path, field=fname or None, tensor=tname))
     for fname, record in ckpt.fields.items():
         if (
             record.context is None
@@ -169,6 +177,29 @@ def _not_regular(ckpt: Checkpoint, path: str) -> CheckpointError | None:
     except CheckpointError:
         return None  # missing, or unreadable: the size and presence checks say so
     return None
+
+
+def _check_encoded(ckpt: Checkpoint, fname: str, tname: str, chunk: ChunkRecord, *, decode_frames: bool) -> None:
+    """An encoded chunk: its codec is known (TEN-14) and its configuration places its frames (COD-4); unless
+    quick, every frame is decoded, one at a time, as a reader would (COD-5)."""
+    codec = get_codec(chunk.codec.name)
+    count = 1
+    for d in chunk.shape:
+        count *= d
+    itemsize = dtypes.itemsize(ckpt.tensor(fname, tname).dtype)
+    raw_size = count * itemsize
+    begin = 0
+    while True:
+        span = codec.plan_frames(
+            chunk.codec, stored_size=chunk.nbytes, raw_size=raw_size, raw_begin=begin, raw_end=min(raw_size, begin + 1)
+        )
+        if not decode_frames or span.raw_end <= begin:
+            return
+        stored = bytearray(span.stored_end - span.stored_begin)
+        ckpt.store.read_into(chunk.path, chunk.begin + span.stored_begin, memoryview(stored))
+        scratch = memoryview(bytearray(span.raw_end - span.raw_begin))
+        codec.decode_into(chunk.codec, memoryview(stored), span, scratch, itemsize=itemsize)
+        begin = span.raw_end
 
 
 def _check_header(ckpt: Checkpoint, path: str, size: int, report: VerifyReport) -> None:

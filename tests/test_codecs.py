@@ -139,3 +139,31 @@ def test_frame_without_checksum_or_with_trailing_bytes_is_refused() -> None:
         span = codec.plan_frames(config, stored_size=len(frame), raw_size=4096, raw_begin=0, raw_end=4096)
         with pytest.raises(IntegrityError):
             codec.decode_into(config, memoryview(frame), span, memoryview(bytearray(4096)), itemsize=1)
+
+
+def test_verify_checks_codecs_and_frames(tmp_path: Path) -> None:
+    a = np.random.default_rng(5).standard_normal(5000).astype(np.float32)
+    _save(tmp_path / "c", {"a": a, "b": a + 1})
+    assert ckptfmt.verify(str(tmp_path / "c")).ok
+    _rewrite_manifest(tmp_path / "c", lambda d: _chunk(d, "a")["codec"].update(name="org.example.lz9"))
+    report = ckptfmt.verify(str(tmp_path / "c"))
+    assert [(p.code, p.tensor) for p in report.problems] == [("unsupported_codec", "a")]
+    _rewrite_manifest(tmp_path / "c", lambda d: _chunk(d, "a")["codec"].update(name="zstd"))
+    _rewrite_manifest(tmp_path / "c", lambda d: _chunk(d, "b")["codec"]["configuration"].update(frame_bytes=4096))
+    report = ckptfmt.verify(str(tmp_path / "c"), quick=True)
+    assert [(p.requirement, p.tensor) for p in report.problems] == [("COD-4", "b")]
+
+
+VECTORS = Path(__file__).parent.parent / "conformance" / "vectors"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in VECTORS.glob("invalid/zstd-*")))
+def test_verify_reports_each_invalid_zstd_vector(name: str, tmp_path: Path) -> None:
+    expected = json.loads((VECTORS / "invalid" / name / "expected.json").read_text())
+    report = ckptfmt.verify(str(VECTORS / "invalid" / name / "checkpoint"))
+    assert [(p.requirement, p.tensor) for p in report.problems] == [(expected["requirements"][0], "w")]
+    # every other tensor still reads
+    ckpt = ckptfmt.open(str(VECTORS / "invalid" / name / "checkpoint"))
+    for other in ckpt.tensor_names("weights"):
+        if other != "w":
+            ckpt.read_tensor("weights", other)
