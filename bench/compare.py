@@ -1,0 +1,400 @@
+"""One benchmark of ckptfmt against every peer, in one run: save, load, verify, size, peak memory.
+
+    python bench/compare.py [--size 1GiB] [--repeat 3] [--dir PATH] [--model PATH] [--json OUT] [--quick]
+
+States (generated, deterministic): ``fp32-adam`` (fp32 weights with Adam's exp_avg and exp_avg_sq,
+as a training checkpoint holds them) and ``bf16`` (bf16 weights); each ``--size`` bytes.
+Every measurement runs in a fresh subprocess (so its peak RSS is its own), the operations alternate
+within each repetition and the table shows medians. Saves are durable (ckptfmt fsyncs; every peer
+is followed by an fsync of what it wrote); loads touch every page of what they return; the page cache
+is dropped before each load and verify when the machine allows (root), and the table says whether.
+
+Saves: ckptfmt raw, ckptfmt zstd, safetensors.save_file, torch.save, torch.distributed.checkpoint.save.
+Loads: ckptfmt whole, ckptfmt one tensor, safetensors.load_file, torch.load(mmap=True), dcp.load.
+Verify: ``ckptfmt.verify`` against ``cat`` of the same files. Raw disk write (with fsync) and read
+speed are measured in the same run. Sizes: ckptfmt zstd against plain zstd-1 / zstd-3 of the same
+bytes, on the generated states and (``--model``, a safetensors file) on real weights; by default the
+all-MiniLM-L6-v2 weights when ``--model`` names them or they are at bench/out/model.safetensors.
+
+``--quick`` is the smoke run CI executes (2 MiB, one repetition, warm cache, every measurement in
+this interpreter): it checks that every path runs, not how fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from io_throughput import drop_caches, fsync_tree, to_torch  # bench/ is not a package
+
+MiB = 1 << 20
+SAVES = ["ckptfmt-raw", "ckptfmt-zstd", "safetensors", "torch.save", "dcp.save"]
+LOADS = ["ckptfmt", "ckptfmt-one-tensor", "safetensors.load_file", "torch.load-mmap", "dcp.load"]
+STATES = ["fp32-adam", "bf16"]
+
+
+def parse_size(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": MiB, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)]) * factor)
+    return int(low)
+
+
+def make_state(kind: str, size: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
+    """Layers of 4 MiB-64 MiB, values of the magnitudes real training states have."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    per_param = 12 if kind == "fp32-adam" else 2  # bytes per parameter across the state
+    params = size // per_param
+    widths = [1024, 2048, 4096]
+    i = used = 0
+    while used < params:
+        n = min(max(1024, widths[i % 3] * 1024), params - used)
+        w = rng.standard_normal(n, dtype=np.float32) * 0.02
+        if kind == "bf16":
+            out[f"layers.{i}.weight"] = w.astype(ml_dtypes.bfloat16)
+        else:
+            m = rng.standard_normal(n, dtype=np.float32) * 1e-3
+            out[f"layers.{i}.weight"] = w
+            out[f"optim.{i}.exp_avg"] = m
+            out[f"optim.{i}.exp_avg_sq"] = (rng.standard_normal(n, dtype=np.float32) * 1e-3) ** 2
+        used += n
+        i += 1
+    return out
+
+
+def touch(arrays: Any) -> int:
+    """Read one byte of every page of every array (faults mmap'd pages in)."""
+    total = 0
+    for a in arrays:
+        flat = np.asarray(a).reshape(-1).view(np.uint8)
+        total += int(flat[::4096].sum())
+    return total
+
+
+def tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------- one measurement (child)
+
+
+def _save(op: str, state: dict[str, np.ndarray[Any, Any]], out: Path) -> None:
+    if op.startswith("ckptfmt"):
+        from ckptfmt.storage import open_store
+        from ckptfmt.writer import CheckpointWriter
+
+        codec = "zstd" if op == "ckptfmt-zstd" else None
+        with CheckpointWriter(open_store(str(out)), profile="weights", codec=codec) as w:
+            for name, a in state.items():
+                w.write_tensor("weights", name, a)
+        return
+    out.mkdir(parents=True)
+    if op == "safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(state, str(out / "model.safetensors"))
+    elif op == "torch.save":
+        import torch
+
+        torch.save(to_torch(state), out / "model.pt")
+    elif op == "dcp.save":
+        import torch.distributed.checkpoint as dcp
+
+        shutil.rmtree(out)
+        dcp.save(to_torch(state), checkpoint_id=str(out))
+    fsync_tree(out)
+
+
+def _load(op: str, src: Path, names: list[str]) -> int:
+    if op.startswith("ckptfmt"):
+        import ckptfmt
+
+        with ckptfmt.open(str(src)) as ckpt:
+            if op == "ckptfmt-one-tensor":
+                return touch([ckpt.read_tensor("weights", names[len(names) // 2])])
+            return touch(ckpt.read_tensors("weights").values())
+    if op == "safetensors.load_file":
+        from safetensors.numpy import load_file
+
+        return touch(load_file(str(src / "model.safetensors")).values())
+    import torch
+
+    if op == "torch.load-mmap":
+        loaded = torch.load(src / "model.pt", mmap=True, weights_only=True)
+        return touch(t.view(torch.uint8).numpy() for t in loaded.values())
+    import torch.distributed.checkpoint as dcp
+
+    # dcp.load fills a state dict the caller allocated, with the saved shapes and dtypes
+    target = {
+        n: torch.empty(s, dtype=torch.bfloat16 if d == "BF16" else torch.float32) for n, (d, s) in names_shapes(src)
+    }
+    dcp.load(target, checkpoint_id=str(src))
+    return touch(t.view(torch.uint8).numpy() for t in target.values())
+
+
+def names_shapes(src: Path) -> list[tuple[str, tuple[str, tuple[int, ...]]]]:
+    doc = json.loads((src.parent / "shapes.json").read_text())
+    return [(n, (d, tuple(s))) for n, (d, s) in doc.items()]
+
+
+def measure(
+    op: str, state_kind: str, size: int, path: Path, state: dict[str, np.ndarray[Any, Any]] | None
+) -> dict[str, float]:
+    """Time one operation; its peak memory is the resident high-water mark above what was resident before it
+    (the state of a save included in the baseline: only what the saver adds counts)."""
+    import ckptfmt  # imports are not what is measured
+
+    if op.startswith(("torch", "dcp")):
+        import torch
+        import torch.distributed.checkpoint  # noqa: F401
+    if op in SAVES and state is None:
+        state = make_state(state_kind, size)
+    names = list(json.loads((path.parent / "shapes.json").read_text())) if op in LOADS else []
+    files = [str(p) for p in sorted(path.rglob("*")) if p.is_file()] if op == "cat" else []
+    baseline = _reset_peak()
+    started = time.perf_counter()
+    if op in SAVES:
+        assert state is not None
+        _save(op, state, path)
+    elif op in LOADS:
+        _load(op, path, names)
+    elif op == "verify":
+        assert ckptfmt.verify(str(path)).ok
+    elif op == "cat":
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "peak_mib": max(0, _status("VmHWM") - baseline) / MiB}
+
+
+def child(args: argparse.Namespace) -> None:
+    print(json.dumps(measure(args.op, args.state, args.size, Path(args.path), None)))
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> int:
+    """Reset the resident high-water mark (Linux: clear_refs 5) and return what is resident now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+# ----------------------------------------------------------------------------- the run (parent)
+
+
+def run_child(
+    op: str, state: str, size: int, path: Path, in_process: dict[str, np.ndarray[Any, Any]] | None = None
+) -> dict[str, float]:
+    """One measurement in a fresh interpreter; with ``in_process`` (the state, --quick) in this one."""
+    if in_process is not None:
+        return measure(op, state, size, path, in_process)
+    cmd = [sys.executable, __file__, "--child", op, "--state", state, "--size", str(size), "--path", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{op} on {state} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def disk_speed(base: Path, size: int) -> tuple[float, float]:
+    """Write ``size`` bytes with fsync, then read them back (cold when the cache can be dropped): bytes/s."""
+    block = np.random.default_rng(1).bytes(min(size, 64 * MiB))
+    path = base / "disk.bin"
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        written = 0
+        while written < size:
+            written += f.write(block[: size - written])
+        f.flush()
+        os.fsync(f.fileno())
+    write = size / (time.perf_counter() - started)
+    drop_caches()
+    started = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 * MiB):
+            pass
+    read = size / (time.perf_counter() - started)
+    path.unlink()
+    return write, read
+
+
+def sizes(state: dict[str, np.ndarray[Any, Any]], stored: int | None) -> dict[str, float]:
+    import zstandard
+
+    raw = sum(a.nbytes for a in state.values())
+    out = {"raw_bytes": float(raw)}
+    for level in (1, 3):
+        c = zstandard.ZstdCompressor(level=level)
+        out[f"zstd-{level}"] = sum(len(c.compress(a.tobytes())) for a in state.values()) / raw
+    if stored is not None:
+        out["ckptfmt-zstd"] = stored / raw
+    return out
+
+
+def model_sizes(path: Path) -> dict[str, dict[str, float]]:
+    from safetensors.numpy import load_file
+
+    import ckptfmt
+    from ckptfmt.storage import open_store
+    from ckptfmt.writer import CheckpointWriter
+
+    weights = load_file(str(path))
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, dtype in (("fp32", np.float32), ("bf16", ml_dtypes.bfloat16)):
+            state = {n: np.ascontiguousarray(a.astype(dtype)) for n, a in weights.items()}
+            dst = Path(tmp) / label
+            with CheckpointWriter(open_store(str(dst)), profile="weights", codec="zstd") as w:
+                w.write_tensors("weights", state)
+            with ckptfmt.open(str(dst)) as ckpt:
+                stored = sum(c.nbytes for t in ckpt.fields["weights"].tensors.values() for c in t.chunks)
+            out[label] = sizes(state, stored)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="1GiB", help="bytes per state (default 1GiB)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under bench/out)")
+    parser.add_argument("--model", default=None, help="a safetensors file of real weights for the size table")
+    parser.add_argument("--json", default=None, help="also write every figure here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 MiB, one repetition, warm cache")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--state", default="fp32-adam", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.op = args.child
+        args.size = parse_size(args.size)
+        child(args)
+        return
+    size = 2 * MiB if args.quick else parse_size(args.size)
+    repeat = 1 if args.quick else args.repeat
+    out_root = Path(__file__).parent / "out"
+    out_root.mkdir(exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="compare-", dir=args.dir or out_root))
+    cold = False if args.quick else drop_caches()
+    results: dict[str, dict[str, list[dict[str, float]]]] = {s: {} for s in STATES}
+    report: dict[str, Any] = {"size": size, "repeat": repeat, "cold_cache": cold}
+    try:
+        write_bps, read_bps = disk_speed(base, min(size, 256 * MiB) if args.quick else size)
+        report["disk"] = {"write_MBps": write_bps / 1e6, "read_MBps": read_bps / 1e6}
+        for state in STATES:
+            tensors = make_state(state, size)
+            shapes = {
+                n: ("BF16" if a.dtype == ml_dtypes.bfloat16 else "F32", list(a.shape)) for n, a in tensors.items()
+            }
+            stored: int | None = None
+            inline = tensors if args.quick else None  # --quick: one interpreter, so torch is imported once
+            for r in range(repeat):
+                # alternate: the order of the savers rotates each repetition
+                order = SAVES[r % len(SAVES) :] + SAVES[: r % len(SAVES)]
+                for op in order:
+                    target = base / state / f"{op}-{r}"
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    (target.parent / "shapes.json").write_text(json.dumps(shapes))
+                    results[state].setdefault(op, []).append(run_child(op, state, size, target, inline))
+                    if op == "ckptfmt-zstd":
+                        stored = tree_size(target)
+                source = {
+                    "ckptfmt": "ckptfmt-raw",
+                    "ckptfmt-one-tensor": "ckptfmt-raw",
+                    "safetensors.load_file": "safetensors",
+                    "torch.load-mmap": "torch.save",
+                    "dcp.load": "dcp.save",
+                }
+                for op in LOADS[r % len(LOADS) :] + LOADS[: r % len(LOADS)]:
+                    if cold:
+                        drop_caches()
+                    results[state].setdefault(op, []).append(
+                        run_child(op, state, size, base / state / f"{source[op]}-{r}", inline)
+                    )
+                for op in ("verify", "cat") if r % 2 == 0 else ("cat", "verify"):
+                    if cold:
+                        drop_caches()
+                    results[state].setdefault(op, []).append(
+                        run_child(op, state, size, base / state / f"ckptfmt-raw-{r}", inline)
+                    )
+                for op in SAVES:
+                    shutil.rmtree(base / state / f"{op}-{r}", ignore_errors=True)
+            report.setdefault("sizes", {})[state] = sizes(tensors, stored)
+            del tensors
+        model = Path(args.model) if args.model else out_root / "model.safetensors"
+        if model.exists():
+            report["model"] = {"path": str(model), **model_sizes(model)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    report["results"] = {
+        s: {
+            op: {
+                "seconds": statistics.median(m["seconds"] for m in runs),
+                "peak_mib": max(m["peak_mib"] for m in runs),
+            }
+            for op, runs in ops.items()
+        }
+        for s, ops in results.items()
+    }
+    print_table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def print_table(report: dict[str, Any]) -> None:
+    size = report["size"]
+    disk = report["disk"]
+    print(
+        f"state size {size / MiB:.0f} MiB, median of {report['repeat']}, "
+        f"{'cold' if report['cold_cache'] else 'warm'} cache; "
+        f"disk: write+fsync {disk['write_MBps']:.0f} MB/s, read {disk['read_MBps']:.0f} MB/s"
+    )
+    peers = {"save": "safetensors", "load": "safetensors.load_file", "verify": "cat"}
+    kinds: list[tuple[str, list[str]]] = [("save", SAVES), ("load", LOADS), ("verify", ["verify", "cat"])]
+    print(f"{'state':10} {'op':8} {'what':24} {'seconds':>8} {'MB/s':>8} {'vs peer':>8} {'peak MiB':>9}")
+    for state, ops in report["results"].items():
+        for kind, names in kinds:
+            peer = ops[peers[kind]]["seconds"]
+            for name in names:
+                m = ops[name]
+                nbytes = size if name != "ckptfmt-one-tensor" else float("nan")
+                mbps = nbytes / m["seconds"] / 1e6
+                print(
+                    f"{state:10} {kind:8} {name:24} {m['seconds']:8.3f} {mbps:8.0f} "
+                    f"{peer / m['seconds']:8.2f} {m['peak_mib']:9.1f}"
+                )
+    print("vs peer: the peer's time / this one's (>1 is faster); peers: safetensors for save and load, cat for verify")
+    for state, s in report.get("sizes", {}).items():
+        print(f"size {state}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k != "raw_bytes"))
+    for label in ("fp32", "bf16"):
+        if label in report.get("model", {}):
+            s = report["model"][label]
+            print(f"size model {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k != "raw_bytes"))
+
+
+if __name__ == "__main__":
+    main()
