@@ -12,8 +12,11 @@ every rank with the same error, and no manifest is written.
 Memory bound: besides the caller's own arrays, the writer holds references to at most
 ``workers + 1`` files' worth of pending tensors (never copies, except to make a non-contiguous or
 big-endian array contiguous little-endian, or a GPU tensor host-resident), one I/O slice of
-``SLICE_BYTES`` per worker thread, and the records. Arrays passed in must therefore not be modified
-until the writer commits (or :meth:`CheckpointWriter.flush` returns).
+``SLICE_BYTES`` per worker thread, and the records. With a codec, each worker also holds one encoded
+data file (at most ``plan.ENCODED_FILE_BYTES`` = 64 MiB of raw data; larger tensors are cut into
+chunks of that size) and one frame's byte planes (4 MiB): about 2 x 68 MiB with the default 2
+workers (tests/test_codecs_memory.py). Arrays passed in must therefore not be modified until the
+writer commits (or :meth:`CheckpointWriter.flush` returns).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Any
 import numpy as np
 
 from . import __version__, layout
+from . import plan as plan_module
 from .arrays import as_array
 from .canonical import config_hash, config_to_dict
-from .codecs import WriteCodec
+from .codecs import WriteCodec, writer_codec
 from .collective import Collective, decode_status, encode_status
 from .commit import Committer
 from .context import encode
@@ -37,6 +41,7 @@ from .digests import DEFAULT_ALGORITHM, new_hasher
 from .errors import CheckpointError, CollectiveError, UsageError
 from .executor import WriteExecutor
 from .fields import check_standard_field
+from .manifest import RAW
 from .paths import check_field_name
 from .plan import FilePlan, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES
@@ -56,6 +61,24 @@ def default_provenance() -> dict[str, object]:
         "created_at": _now(),
         "host": socket.gethostname(),
     }
+
+
+def _cut(
+    data: np.ndarray[Any, Any], base: tuple[int, ...], limit: int
+) -> list[tuple[np.ndarray[Any, Any], tuple[int, ...]]]:
+    """Blocks of at most ``limit`` bytes along the first dimension longer than 1 (contiguous views, since
+    every earlier dimension is 1), cutting a single slice further when it alone exceeds ``limit``."""
+    axis = next((d for d, n in enumerate(data.shape) if n > 1), None)
+    if data.nbytes <= limit or axis is None:
+        return [(data, base)]
+    row = data.nbytes // data.shape[axis]
+    step = max(1, limit // max(1, row))
+    out: list[tuple[np.ndarray[Any, Any], tuple[int, ...]]] = []
+    for lo in range(0, data.shape[axis], step):
+        index = tuple(slice(lo, lo + step) if d == axis else slice(None) for d in range(data.ndim))
+        at = tuple(o + (lo if d == axis else 0) for d, o in enumerate(base))
+        out.extend(_cut(data[index], at, limit) if row > limit else [(data[index], at)])
+    return out
 
 
 class CheckpointWriter:
@@ -99,6 +122,7 @@ class CheckpointWriter:
         # codec: None or "raw" stores raw chunks; "zstd" or "zstd:LEVEL" compresses floating chunks (spec/codecs.md)
         self._planner = RankPlanner(rank=rank, target_file_size=target_file_size, codec=codec)
         self._arrays: dict[tuple[str, str], np.ndarray[Any, Any]] = {}  # (field, key) -> pending array
+        self._split: set[tuple[str, str]] = set()  # tensors cut into chunks for encoding
         self._contexts: dict[str, str] = {}
         self._closed = False
         self._committer: Committer | None = None
@@ -146,18 +170,40 @@ class CheckpointWriter:
         self._executor.raise_background_error()
         check_field_name(field)
         data, dtype = as_array(array)
-        entry, full = self._planner.add(
-            field,
-            name,
-            dtype=dtype,
-            shape=data.shape,
-            nbytes=data.nbytes,
-            global_shape=global_shape,
-            offsets=offsets,
-        )
-        for plan in full:
-            self._submit(plan)
-        self._arrays[(field, entry.key)] = data
+        if (field, name) in self._split:
+            raise UsageError("tensor was already written", field=field, tensor=name)
+        pieces = self._pieces(data, dtype, global_shape, offsets)
+        if len(pieces) > 1:
+            self._split.add((field, name))
+            global_shape = data.shape if global_shape is None else global_shape
+        for piece, piece_offsets in pieces:
+            entry, full = self._planner.add(
+                field,
+                name,
+                dtype=dtype,
+                shape=piece.shape,
+                nbytes=piece.nbytes,
+                global_shape=global_shape,
+                offsets=offsets if len(pieces) == 1 else piece_offsets,
+            )
+            for plan in full:
+                self._submit(plan)
+            self._arrays[(field, entry.key)] = piece
+
+    def _pieces(
+        self,
+        data: np.ndarray[Any, Any],
+        dtype: str,
+        global_shape: tuple[int, ...] | list[int] | None,
+        offsets: tuple[int, ...] | list[int] | None,
+    ) -> list[tuple[np.ndarray[Any, Any], tuple[int, ...]]]:
+        """An array to encode that exceeds one encoded file is cut into chunks (views) of at most
+        ``plan.ENCODED_FILE_BYTES``, so the memory of one encode stays bounded at any tensor size."""
+        base = tuple(int(o) for o in offsets) if offsets is not None else (0,) * data.ndim
+        limit = plan_module.ENCODED_FILE_BYTES
+        if data.nbytes <= limit or writer_codec(self._planner.codec, dtype=dtype, nbytes=data.nbytes).name == RAW:
+            return [(data, base)]
+        return _cut(data, base, limit)
 
     def write_tensors(self, field: str, tensors: Mapping[str, object]) -> None:
         """Add a mapping of tensors to a field (an empty mapping declares an empty tensor field)."""
