@@ -13,7 +13,7 @@ import zstandard
 import ckptfmt
 from ckptfmt.codecs import WriteCodec, get_codec
 from ckptfmt.codecs.zstd import FRAME_BYTES, group_bytes, ungroup_bytes
-from ckptfmt.errors import IntegrityError, ManifestError, UnsupportedCodecError, UsageError
+from ckptfmt.errors import DigestMismatchError, IntegrityError, ManifestError, UnsupportedCodecError, UsageError
 from ckptfmt.manifest import Codec
 from ckptfmt.storage import open_store
 from ckptfmt.writer import CheckpointWriter
@@ -167,3 +167,31 @@ def test_verify_reports_each_invalid_zstd_vector(name: str, tmp_path: Path) -> N
     for other in ckpt.tensor_names("weights"):
         if other != "w":
             ckpt.read_tensor("weights", other)
+
+
+def test_mmap_read_is_zero_copy_and_read_only(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    tensors = {"w": rng.standard_normal((300, 200)).astype(np.float32), "h": np.arange(6, dtype=np.int16)}
+    ckpt = _save(tmp_path / "raw", tensors, codec=None)
+    mapped = ckpt.read_tensor("weights", "w", mmap=True)
+    assert not mapped.flags.writeable and mapped.base is not None
+    assert mapped.tobytes() == tensors["w"].tobytes()
+    with pytest.raises(ValueError):
+        mapped[0, 0] = 1.0
+    # a compressed tensor is read as usual: writable
+    zckpt = _save(tmp_path / "z", tensors)
+    copy = zckpt.read_tensor("weights", "w", mmap=True)
+    assert copy.flags.writeable and copy.tobytes() == tensors["w"].tobytes()
+
+
+def test_mmap_read_checks_the_digest(tmp_path: Path) -> None:
+    a = np.random.default_rng(7).standard_normal(4096).astype(np.float32)
+    ckpt = _save(tmp_path / "c", {"w": a}, codec=None)
+    chunk = ckpt.fields["weights"].tensors["w"].chunks[0]
+    data = tmp_path / "c" / chunk.path
+    raw = bytearray(data.read_bytes())
+    raw[chunk.begin + 5] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(DigestMismatchError) as info:
+        ckptfmt.open(str(tmp_path / "c")).read_tensor("weights", "w", mmap=True)
+    assert info.value.tensor == "w"
