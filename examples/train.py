@@ -3,6 +3,14 @@
     python examples/train.py --run-dir runs/tiny --steps 24 --every 4
         [--async] [--threads N] [--workers N] [--withhold {rng,data,optimizer}]
         [--kill-after-checkpoint-step N] [--losses-out FILE] [--step-sleep SECONDS]
+    torchrun --nproc-per-node 4 --max-restarts 1 examples/train.py --run-dir runs/tiny ...
+
+Under ``torchrun`` (WORLD_SIZE > 1) the model is sharded with FSDP2 (``fully_shard``) over gloo on CPU
+(NCCL where CUDA is available), every rank reads its share of each global batch, and every rank makes the
+same CheckpointManager calls: each writes its own shards of one checkpoint. Restarted on another number
+of ranks, the run continues the same global sample order. ``--kill-rank R`` makes only rank R die at
+``--kill-after-checkpoint-step`` (and only in torchrun's first attempt, so a restart can resume);
+``--samples-out`` records the dataset indices each rank trained on, step by step.
 
 A one-block GPT-style language model (token and position embeddings, causal self-attention, an MLP,
 dropout, a head tied to the embedding) learns a synthetic, seeded Markov-chain language. Batches come
@@ -92,6 +100,20 @@ class MarkovText(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return seq[:-1], seq[1:]
 
 
+class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """A dataset whose items also carry their index (to record which samples a run trained on)."""
+
+    def __init__(self, inner: MarkovText) -> None:
+        self.inner = inner
+        self.identity = inner.identity
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return (*self.inner[index], index)
+
+
 # ---------------------------------------------------------------- model
 
 
@@ -159,6 +181,7 @@ class Trainer:
             yield from self.loader
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, sleep: float = 0.0) -> float:
+        """One optimizer step; the loss averaged over ranks."""
         mask = torch.from_numpy(self.augment.random(tuple(inputs.shape)) < self.cfg.augment_prob)
         noise = torch.from_numpy(self.augment.integers(0, self.cfg.vocab, tuple(inputs.shape)))
         inputs = torch.where(mask, noise, inputs)
@@ -172,16 +195,55 @@ class Trainer:
         nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            return float(total.item()) / dist.get_world_size()
         return float(loss.item())
 
 
-def build(cfg: TrainConfig, *, workers: int = 0) -> Trainer:
+def distributed() -> tuple[int, int]:
+    """Join the torchrun job (gloo on CPU, NCCL with CUDA) when there is one: (rank, world size)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        # Each torchrun attempt rendezvouses under its own key prefix: with torch 2.13 a restarted gloo group
+        # otherwise reads the dead attempt's addresses from torchrun's store ("connectFullMesh failed").
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            store=dist.PrefixStore(f"train-attempt-{attempt}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build(cfg: TrainConfig, *, workers: int = 0, indexed: bool = False) -> Trainer:
     """A fresh trainer: every generator seeded from ``cfg.seed``, as a new process would have it."""
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed % 2**32)
-    dataset = MarkovText(cfg)
+    rank, world = distributed()
+    random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank; dropout differs by rank below
+    np.random.seed((cfg.seed + rank) % 2**32)
+    dataset: Any = Indexed(MarkovText(cfg)) if indexed else MarkovText(cfg)
     model = TinyGPT(cfg)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            model = model.cuda()
+        fully_shard(model, mesh=init_device_mesh(device, (world,)))  # parameters become DTensor shards
+        torch.manual_seed(cfg.seed * 1000 + rank)  # each rank its own dropout masks, as in real jobs
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=cfg.warmup_steps)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, cfg.steps - cfg.warmup_steps))
@@ -197,22 +259,43 @@ def build(cfg: TrainConfig, *, workers: int = 0) -> Trainer:
         shard_size=cfg.shard_size,
         dataset_identity=dataset.identity,
     )
-    augment = np.random.default_rng([cfg.seed, 0xA06])
+    augment = np.random.default_rng([cfg.seed, 0xA06, rank])
     return Trainer(cfg, model, optimizer, scheduler, loader, augment)
 
 
-class LossLog:
-    """Per-step losses as JSON, rewritten atomically after every step (so a SIGKILL leaves a valid file)."""
+class SampleLog:
+    """The dataset indices of each step's batch on this rank, as JSON rewritten after every step."""
 
     def __init__(self, path: str | None) -> None:
         self.path = Path(path) if path else None
-        self.losses: list[list[float]] = []
+        earlier = json.loads(self.path.read_text())["steps"] if self.path and self.path.exists() else {}
+        self.steps: dict[str, list[int]] = dict(earlier)
 
-    def add(self, step: int, loss: float) -> None:
-        self.losses.append([step, loss])
+    def add(self, step: int, indices: list[int]) -> None:
+        self.steps[str(step)] = indices
         if self.path is not None:
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps({"losses": self.losses}))
+            tmp.write_text(json.dumps({"steps": self.steps}))
+            os.replace(tmp, self.path)
+
+
+class LossLog:
+    """Per-step losses as JSON, rewritten atomically after every step (so a SIGKILL leaves a valid file).
+
+    A restarted process (torchrun's next attempt) keeps what the file holds; a step done again after a
+    resume replaces its earlier entry.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        earlier = json.loads(self.path.read_text())["losses"] if self.path and self.path.exists() else []
+        self.losses: dict[int, float] = {int(s): float(v) for s, v in earlier}
+
+    def add(self, step: int, loss: float) -> None:
+        self.losses[step] = loss
+        if self.path is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"losses": [[s, self.losses[s]] for s in sorted(self.losses)]}))
             os.replace(tmp, self.path)
 
 
@@ -235,6 +318,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--losses-out", metavar="FILE", help="write per-step losses as JSON")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS", help="sleep inside each step")
     p.add_argument("--quiet", action="store_true", help="no per-step output")
+    p.add_argument("--kill-rank", type=int, metavar="R", help="with --kill-after-checkpoint-step: only rank R dies")
+    p.add_argument("--samples-out", metavar="PREFIX", help="write each rank's sample indices to PREFIX.rank<R>.json")
     return p.parse_args(argv)
 
 
@@ -243,29 +328,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(steps=args.steps)
-    trainer = build(cfg, workers=args.workers)
-    log = LossLog(args.losses_out)
+    trainer = build(cfg, workers=args.workers, indexed=bool(args.samples_out))
+    rank, world = distributed()
+    log = LossLog(args.losses_out if rank == 0 else None)
+    seen = SampleLog(f"{args.samples_out}.rank{rank}.json" if args.samples_out else None)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_here = args.kill_after_checkpoint_step is not None and args.kill_rank in (None, rank) and attempt == 0
     mgr = CheckpointManager(args.run_dir, keep_last=args.keep_last, async_save=args.async_save)
     skip = (args.withhold,) if args.withhold else ()
     step = mgr.restore_latest(**trainer.state(), config=cfg, skip_fields=skip) or 0
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
-    say(f"{'resumed at' if step else 'starting at'} step {step} (threads={args.threads}, workers={args.workers})")
+    say = (lambda *a: None) if args.quiet or rank != 0 else (lambda *a: print(*a, flush=True))
+    say(
+        f"{'resumed at' if step else 'starting at'} step {step} "
+        f"(ranks={world}, threads={args.threads}, workers={args.workers}, attempt={attempt})"
+    )
     batches = trainer.batches()
     saved_at = step
+    first_step = True
     switch_step, switch_threads = (int(v) for v in args.threads_at.split(":")) if args.threads_at else (-1, 0)
     while step < cfg.steps:
         if step == switch_step:
             torch.set_num_threads(switch_threads)
-        inputs, targets = next(batches)
+        batch = next(batches)
+        inputs, targets = batch[0], batch[1]
         loss = trainer.step(inputs, targets, sleep=args.step_sleep)
         step += 1
         log.add(step, loss)
+        if len(batch) == 3:
+            seen.add(step, batch[2].tolist())
+        if first_step:
+            first_step = False
+            say(f"first step of attempt {attempt} done at {time.time():.3f}")
         say(f"step {step} loss {loss:.6f}")
         if mgr.checkpoint_if_due(step, every=args.every, **trainer.state(), config=cfg):
             saved_at = step
-            if step == args.kill_after_checkpoint_step:
+            if step == args.kill_after_checkpoint_step and kill_here:
                 mgr.wait()  # durable first: the point is to be killed *after* a checkpoint
-                say(f"checkpoint at step {step} is durable; SIGKILL")
+                print(f"rank {rank}: checkpoint at step {step} is durable; SIGKILL at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
     if saved_at != step:
         mgr.save(step, **trainer.state(), config=cfg)  # the final state, so runs can be diffed
