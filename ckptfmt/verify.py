@@ -7,7 +7,9 @@ rules (config hash included) re-checked.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,7 @@ from .context import decode
 from .digests import Hasher, algorithm_of, format_digest, new_hasher
 from .errors import CheckpointError, UnsafePathError
 from .fields import check_standard_field
-from .manifest import RAW, ChunkRecord
+from .manifest import RAW, ChunkRecord, FileRecord
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
@@ -93,8 +95,9 @@ def _problem(code: str, message: str, **where: Any) -> Problem:
 
 
 def verify_checkpoint(
-    ckpt: Checkpoint, *, quick: bool = False, progress: Callable[[int], None] | None = None
+    ckpt: Checkpoint, *, quick: bool = False, progress: Callable[[int], None] | None = None, workers: int = 4
 ) -> VerifyReport:
+    """Every problem of a checkpoint: ``workers`` data files are streamed (hashed, frames decoded) at once."""
     report = VerifyReport(url=ckpt.url, checkpoint_id=ckpt.id, quick=quick)
     owners: dict[str, tuple[str, list[tuple[str, ChunkRecord]]]] = {}
     for fname, record in ckpt.fields.items():
@@ -104,6 +107,15 @@ def verify_checkpoint(
         if record.context is not None:
             owners.setdefault(record.context, (fname, []))
     present = ckpt.store.list()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify")
+    jobs: list[tuple[int, Future[VerifyReport]]] = []
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        if progress is not None:
+            with lock:  # progress callbacks (a CLI bar) need not be thread-safe
+                progress(n)
+
     for file in ckpt.manifest.files:
         fname, chunk_list = owners.get(file.path, ("", []))
         where = {"path": file.path, "field": fname or None}
@@ -136,20 +148,15 @@ def verify_checkpoint(
                 _check_header(ckpt, file.path, file.size, report)
             except CheckpointError as exc:  # a bad header must not hide what the digests find
                 report.add(exc.locate(path=file.path, field=fname or None))
-        try:
-            if not quick:
-                _check_digests(ckpt, file.path, file.size, file.digest, chunk_list, fname, report, progress)
-                report.bytes_checked += file.size
-            elif progress:
-                progress(file.size)
-        except CheckpointError as exc:
-            report.add(exc.locate(path=file.path, field=fname or None))
-        for tname, chunk in chunk_list:
-            if chunk.codec.name != RAW:
-                try:
-                    _check_encoded(ckpt, fname, tname, chunk, decode_frames=not quick)
-                except CheckpointError as exc:
-                    report.add(exc.locate(path=file.path, field=fname or None, tensor=tname))
+        # The streaming pass (digests, frames) of several files runs in parallel; its problems take this
+        # file's place in the report, so the order is the same as a serial run's.
+        jobs.append((len(report.problems), pool.submit(_check_contents, ckpt, file, chunk_list, fname, quick, tick)))
+    pool.shutdown(wait=True)
+    for position, job in reversed(jobs):
+        sub = job.result()
+        report.problems[position:position] = sub.problems
+        report.bytes_checked += sub.bytes_checked
+        report.chunks_checked += sub.chunks_checked
     for fname, record in ckpt.fields.items():
         if (
             record.context is None
@@ -177,6 +184,34 @@ def _not_regular(ckpt: Checkpoint, path: str) -> CheckpointError | None:
     except CheckpointError:
         return None  # missing, or unreadable: the size and presence checks say so
     return None
+
+
+def _check_contents(
+    ckpt: Checkpoint,
+    file: FileRecord,
+    chunk_list: list[tuple[str, ChunkRecord]],
+    fname: str,
+    quick: bool,
+    progress: Callable[[int], None],
+) -> VerifyReport:
+    """One data file's streaming checks: file and chunk digests in one pass (unless quick), then each
+    encoded chunk's codec and frames. Runs on the verify pool; returns its own report."""
+    sub = VerifyReport(url=ckpt.url, quick=quick)
+    try:
+        if not quick:
+            _check_digests(ckpt, file.path, file.size, file.digest, chunk_list, fname, sub, progress)
+            sub.bytes_checked += file.size
+        else:
+            progress(file.size)
+    except CheckpointError as exc:
+        sub.add(exc.locate(path=file.path, field=fname or None))
+    for tname, chunk in chunk_list:
+        if chunk.codec.name != RAW:
+            try:
+                _check_encoded(ckpt, fname, tname, chunk, decode_frames=not quick)
+            except CheckpointError as exc:
+                sub.add(exc.locate(path=file.path, field=fname or None, tensor=tname))
+    return sub
 
 
 def _check_encoded(ckpt: Checkpoint, fname: str, tname: str, chunk: ChunkRecord, *, decode_frames: bool) -> None:
