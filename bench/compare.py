@@ -10,7 +10,8 @@ is followed by an fsync of what it wrote); loads touch every page of what they r
 is dropped before each load and verify when the machine allows (root), and the table says whether.
 
 Saves: ckptfmt raw, ckptfmt zstd, safetensors.save_file, torch.save, torch.distributed.checkpoint.save.
-Loads: ckptfmt whole, ckptfmt one tensor, safetensors.load_file, torch.load(mmap=True), dcp.load.
+Loads: ckptfmt whole (digests checked), ckptfmt one tensor, ckptfmt mmap (zero-copy, read-only, no
+digest check), safetensors.load_file, torch.load(mmap=True), dcp.load.
 Verify: ``ckptfmt.verify`` against ``cat`` of the same files. Raw disk write (with fsync) and read
 speed are measured in the same run. Sizes: ckptfmt zstd against plain zstd-1 / zstd-3 of the same
 bytes, on the generated states and (``--model``, a safetensors file) on real weights; by default the
@@ -42,7 +43,7 @@ from io_throughput import drop_caches, fsync_tree, to_torch  # bench/ is not a p
 
 MiB = 1 << 20
 SAVES = ["ckptfmt-raw", "ckptfmt-zstd", "safetensors", "torch.save", "dcp.save"]
-LOADS = ["ckptfmt", "ckptfmt-one-tensor", "safetensors.load_file", "torch.load-mmap", "dcp.load"]
+LOADS = ["ckptfmt", "ckptfmt-one-tensor", "ckptfmt-mmap", "safetensors.load_file", "torch.load-mmap", "dcp.load"]
 STATES = ["fp32-adam", "bf16"]
 
 
@@ -128,6 +129,8 @@ def _load(op: str, src: Path, names: list[str]) -> int:
         with ckptfmt.open(str(src)) as ckpt:
             if op == "ckptfmt-one-tensor":
                 return touch([ckpt.read_tensor("weights", names[len(names) // 2])])
+            if op == "ckptfmt-mmap":  # inference-style: zero-copy, read-only, no digest check (as the peers)
+                return touch(ckpt.read_tensor("weights", n, mmap=True, verify=False) for n in names)
             return touch(ckpt.read_tensors("weights").values())
     if op == "safetensors.load_file":
         from safetensors.numpy import load_file
@@ -325,6 +328,7 @@ def main() -> None:
                 source = {
                     "ckptfmt": "ckptfmt-raw",
                     "ckptfmt-one-tensor": "ckptfmt-raw",
+                    "ckptfmt-mmap": "ckptfmt-raw",
                     "safetensors.load_file": "safetensors",
                     "torch.load-mmap": "torch.save",
                     "dcp.load": "dcp.save",

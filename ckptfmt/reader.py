@@ -31,6 +31,7 @@ from .errors import (
     MissingFileError,
     SafetensorsHeaderError,
     SizeMismatchError,
+    UnsafePathError,
     UsageError,
 )
 from .executor import ChunkRead, check_chunk, coalesce, fetch_runs, split_runs
@@ -88,12 +89,15 @@ def read_manifest_bytes(store: Store) -> bytes:
     """The manifest's bytes, or the error that says why there is no committed checkpoint here."""
     try:
         return store.read(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
+    except UnsafePathError as exc:  # a symlink, FIFO, directory... where manifest.json should be
+        raise UnsafePathError(exc.message, path=MANIFEST_NAME, requirement="MAN-25") from exc
     except MissingFileError:
         present = [p for p in store.list() if p != MANIFEST_NAME]
         if present:
             raise IncompleteCheckpointError(
                 f"{len(present)} file(s) but no manifest commits them: a writer crashed or is still running",
                 path=store.url,
+                requirement="COM-15",
             ) from None
         raise CheckpointNotFoundError("no checkpoint here", path=store.url) from None
 
@@ -313,7 +317,7 @@ class Checkpoint:
                 )
             else:
                 continue
-            problems.append(SafetensorsHeaderError(message, path=path, field=fname, tensor=tname))
+            problems.append(SafetensorsHeaderError(message, path=path, field=fname, tensor=tname, requirement="SAF-13"))
         return problems
 
     def _check_data_file(self, path: str) -> None:
@@ -323,7 +327,9 @@ class Checkpoint:
         actual = self.store.size(path)
         expected = self._file_records[path].size
         if actual != expected:
-            raise SizeMismatchError(f"file has {actual} bytes, manifest says {expected}", path=path)
+            raise SizeMismatchError(
+                f"file has {actual} bytes, manifest says {expected}", path=path, requirement="MAN-19"
+            )
         problems = self.header_problems(path, actual)
         if problems:
             raise problems[0]

@@ -75,8 +75,9 @@ def _load(header: bytes, path: str) -> dict[str, Any]:
     try:
         table = load_json(header, error=SafetensorsHeaderError, what="header", path=path, allow_float=True)
     except SafetensorsHeaderError as exc:
-        exc.requirement = "SAF-5" if "duplicate" in exc.message else "SAF-4"
-        raise
+        if "duplicate" in exc.message:
+            raise SafetensorsHeaderError(exc.message, path=path, requirement="SAF-5") from exc
+        raise SafetensorsHeaderError(exc.message, path=path, requirement="SAF-4") from exc
     if not isinstance(table, dict):
         raise SafetensorsHeaderError("header is not a JSON object", path=path, requirement="SAF-4")
     try:

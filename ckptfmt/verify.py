@@ -122,9 +122,10 @@ def verify_checkpoint(
         if file.path not in present or present[file.path] != file.size:
             # a symlink (PTH-3) or a special file (PTH-4) also looks missing or of another size: the
             # regular-file open of the store says which, before MAN-28 or MAN-19 is blamed
-            refusal = _not_regular(ckpt, file.path)
-            if refusal is not None:
-                report.add(refusal.locate(path=file.path, field=fname or None))
+            try:
+                _check_regular(ckpt, file.path)
+            except CheckpointError as exc:
+                report.add(exc.locate(path=file.path, field=fname or None))
                 continue
         if file.path not in present:
             report.problems.append(_problem("missing_file", "file is missing", requirement="MAN-28", **where))
@@ -173,17 +174,19 @@ def verify_checkpoint(
     return report
 
 
-def _not_regular(ckpt: Checkpoint, path: str) -> CheckpointError | None:
-    """The error of opening ``path`` as a regular file if it is a symlink or not a regular file, else None."""
+def _check_regular(ckpt: Checkpoint, path: str) -> None:
+    """Refuse ``path`` if the store's regular-file open does: a symlink on the way (PTH-3), or not a
+    regular file (PTH-4). A missing or unreadable file is left to the presence and size checks."""
     try:
         ckpt.store.size(path)
-    except UnsafePathError as exc:
-        if exc.requirement is None:  # the stores name no rule: a symlink on the way is PTH-3, the rest PTH-4
-            exc.requirement = "PTH-3" if "symlink" in exc.message else "PTH-4"
-        return exc
+    except UnsafePathError as exc:  # (the stores name no rule; their messages say which it is)
+        if "symlink" in exc.message:
+            raise UnsafePathError(exc.message, path=path, requirement="PTH-3") from exc
+        if "regular file" in exc.message:
+            raise UnsafePathError(exc.message, path=path, requirement="PTH-4") from exc
+        raise UnsafePathError(exc.message, path=path, requirement="PTH-2") from exc
     except CheckpointError:
-        return None  # missing, or unreadable: the size and presence checks say so
-    return None
+        pass
 
 
 def _check_contents(

@@ -78,9 +78,11 @@ def second_empty_chunk(t: Tree) -> None:
         DATA, header=lambda h: h.__setitem__("e2", {"dtype": "F32", "shape": [0, 3], "data_offsets": [end, end]})
     )
 
+    at = len(t.read(DATA))  # e2's entry is at the end of the data section, which ends the file
+
     def fn(doc: Json) -> None:
         chunks = doc["fields"]["weights"]["tensors"]["e"]["chunks"]
-        chunks.append({**chunks[0], "key": "e2"})
+        chunks.append({**chunks[0], "key": "e2", "range": [at, at]})  # its own range: the header agrees (SAF-13)
 
     t.edit(fn)
 

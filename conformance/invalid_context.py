@@ -440,4 +440,27 @@ VECTORS: tuple[Invalid, ...] = (
         context("provenance", {"created_at": "2025-13-01T00:00:00Z", "writer": {"name": "x", "version": "1"}}),
         scope="blob",
     ),
+    *(
+        Invalid(
+            f"provenance-created-at-{name}",
+            ("FLD-12",),
+            f"created_at {value!r}: {why}.",
+            context("provenance", {"created_at": value, "writer": {"name": "x", "version": "1"}}),
+            scope="blob",
+        )
+        for name, value, why in (
+            ("month-00", "2025-00-10T00:00:00Z", "month 00"),
+            ("day-00", "2025-01-00T00:00:00Z", "day 00"),
+            ("feb-30-leap-year", "2024-02-30T00:00:00Z", "30 February, in a leap year"),
+            ("minute-60", "2025-01-01T00:60:00Z", "minute 60"),
+            ("second-61", "2025-01-01T00:00:61Z", "second 61"),
+            ("no-seconds", "2025-01-01T00:00Z", "no seconds"),
+            ("empty-fraction", "2025-01-01T00:00:00.Z", "a decimal point without digits"),
+            ("space-separator", "2025-01-01 00:00:00Z", "a space where T belongs"),
+            ("one-digit-month", "2025-1-01T00:00:00Z", "a one-digit month"),
+            ("five-digit-year", "12025-01-01T00:00:00Z", "a five-digit year"),
+            ("trailing-newline", "2025-01-01T00:00:00Z\n", "a newline after Z"),
+            ("not-a-string", 1735689600, "an int (seconds since 1970), not a str"),
+        )
+    ),
 )

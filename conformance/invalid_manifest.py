@@ -32,6 +32,7 @@ from .invalid import (
     symlink_file,
     truncate,
 )
+from .invalid_digests import DIGEST_SHA256, DIGEST_SYNTAX
 from .mutations import Tree
 
 
@@ -119,6 +120,7 @@ VECTORS: tuple[Invalid, ...] = (
         ("MAN-27",),
         "The manifest begins with a UTF-8 byte order mark (ef bb bf).",
         raw_manifest(lambda b: b"\xef\xbb\xbf" + b),
+        also=("MAN-4",),  # RFC 8259 lets a parser refuse a BOM as no JSON text
     ),
     Invalid(
         "manifest-lone-surrogate",
@@ -156,7 +158,13 @@ VECTORS: tuple[Invalid, ...] = (
         "file-path-missing", ("MAN-13",), "A file record without path.", manifest(lambda d: d["files"][-1].pop("path"))
     ),
     Invalid("file-size-missing", ("MAN-14",), "A file record without size.", delete_file_member(DATA, "size")),
-    Invalid("file-size-negative", ("MAN-14",), "A file record with size -1.", set_file(DATA, "size", -1)),
+    Invalid(
+        "file-size-negative",
+        ("MAN-14",),
+        "The provenance blob's file record has size -1 (a blob: no chunk range to fall outside it).",
+        set_file(PROV, "size", -1),
+        also=("MAN-19",),  # no file has -1 bytes
+    ),
     Invalid("file-digest-missing", ("MAN-15",), "A file record without digest.", delete_file_member(DATA, "digest")),
     Invalid("files-unsorted", ("MAN-16",), "files in descending path order.", manifest(lambda d: d["files"].reverse())),
     Invalid(
@@ -302,6 +310,7 @@ VECTORS: tuple[Invalid, ...] = (
         ("PTH-3",),
         "The data file is a symbolic link to a copy elsewhere under the root.",
         symlink_file,
+        also=("PTH-4",),  # a symlink, not followed, is not a regular file
         scope="file",
     ),
     Invalid(
@@ -331,7 +340,9 @@ VECTORS: tuple[Invalid, ...] = (
                 digest=d["fields"]["weights"]["tensors"]["w"]["chunks"][0]["digest"][:-1]
             )
         ),
+        also=("DIG-4",),  # 31 digits cannot be the chunk's digest: DIG-3 alone is in the syntax-only vectors
     ),
+    *DIGEST_SYNTAX,
     Invalid(
         "chunk-digest-mismatch",
         ("DIG-4",),
@@ -353,4 +364,5 @@ VECTORS: tuple[Invalid, ...] = (
         flip_blob_text,
         scope="blob",
     ),
+    *DIGEST_SHA256,
 )

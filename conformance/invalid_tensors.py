@@ -95,6 +95,7 @@ VECTORS: tuple[Invalid, ...] = (
         ("TEN-4",),
         "Tensor e has shape [0, -3].",
         set_(("fields", "weights", "tensors", "e", "shape"), [0, -3]),
+        also=("TEN-16", "TEN-19"),  # no chunk shape of non-negative integers fits [0, -3] or equals it
     ),
     Invalid(
         "tensor-shape-too-large",

@@ -29,6 +29,7 @@ def test_quick_run_measures_every_peer_and_compresses(tmp_path: Path) -> None:
         "dcp.save",
         "ckptfmt",
         "ckptfmt-one-tensor",
+        "ckptfmt-mmap",
         "safetensors.load_file",
         "torch.load-mmap",
         "dcp.load",

@@ -106,8 +106,12 @@ def test_a_reader_that_misreports_a_digest_fails(tmp_path: Path) -> None:
         "liar.py",
         """
         import json, sys
-        from ckptfmt.describe import describe
-        doc = describe(sys.argv[1])
+        from ckptfmt.describe import describe, refusal_line
+        from ckptfmt.errors import CheckpointError
+        try:
+            doc = describe(sys.argv[1])
+        except CheckpointError as exc:  # refuses as the strict protocol says
+            sys.exit(refusal_line(exc))
         tensors = doc["fields"]["weights"]["tensors"]
         first = sorted(tensors)[0]
         tensors[first]["digest"] = "sha256:" + "0" * 64
@@ -154,7 +158,7 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 145
+    assert len(result.spec) == 150
     assert result.by_tests == {
         "COM-17",
         "COM-18",
