@@ -136,9 +136,12 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     process_group: Any = None,
+    codec: str | None = None,
     **kwargs: Any,
 ) -> str:
     """Write the full training state to ``url`` as one committed checkpoint; returns its id.
+
+    ``codec="zstd"`` (or ``"zstd:LEVEL"``) compresses floating tensors (spec/codecs.md); default raw.
 
     ``loader=`` (or ``sampler=``) gives the data position; see :func:`capture`. Once ``torch.distributed``
     is initialized with more than one rank (in ``process_group``, default the whole world), every rank
@@ -156,7 +159,7 @@ def save(
         **kwargs,
     )
     store = open_store(url, storage_options)
-    writer = CheckpointWriter(store, profile="training", overwrite=overwrite, collective=collective)
+    writer = CheckpointWriter(store, profile="training", overwrite=overwrite, collective=collective, codec=codec)
     try:
         return state.write_snapshot(writer, snap)
     except BaseException:

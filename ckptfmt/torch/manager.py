@@ -67,6 +67,7 @@ class CheckpointManager:
         preemption_signals: Sequence[signal.Signals] = (signal.SIGTERM,),
         exit_on_preemption: bool = True,
         verify_on_restore: bool = False,
+        codec: str | None = None,
     ) -> None:
         self.run = RunDirectory(run_url, storage_options)
         self.keep_last = keep_last
@@ -83,6 +84,7 @@ class CheckpointManager:
         self._step: int | None = None  # the step of the last restore or save: did steps pass since?
         self.exit_on_preemption = exit_on_preemption
         self.verify_on_restore = verify_on_restore
+        self.codec = codec  # None: raw; "zstd" / "zstd:LEVEL" compresses floating tensors (spec/codecs.md)
         self.last_checkpoint_id: str | None = None
         # The code that runs is the code at start: look its git state up once, not on every (stalling) save.
         self._code: dict[str, object] = prov.git_state() or {}
@@ -194,7 +196,9 @@ class CheckpointManager:
 
     def _persist(self, name: str, step: int, snap: Snapshot) -> str:
         store = open_store(self.run.child_url(name), self.run.storage_options)
-        writer = CheckpointWriter(store, profile="training", overwrite=True, collective=self.collective)
+        writer = CheckpointWriter(
+            store, profile="training", overwrite=True, collective=self.collective, codec=self.codec
+        )
         try:
             ckpt_id = state.write_snapshot(writer, snap)
         except BaseException:
