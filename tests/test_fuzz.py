@@ -47,12 +47,7 @@ DEFAULT_TOTAL = sum(t.count for t in TARGETS)
 # Known defects, each pinned by a strict-xfail regression test in tests/test_fuzz_regressions.py: regular expressions
 # matched against "<target> <Outcome.signature>". Remove an entry once its fix lands (its regression test then
 # fails as XPASS(strict) until its xfail mark goes too).
-KNOWN: list[str] = [
-    # torch.load of a damaged .pt archive or DCP item raises more than the converters catch
-    r"(import_pt|cli_convert_from_pt|subprocess_convert) (exception|cli: traceback): \S+ "
-    r"at ckptfmt/convert/torch_pt\.py in _load\w*$",
-    r"(import_dcp|cli_convert_from_dcp) (exception|cli: traceback): \S+ at ckptfmt/convert/dcp\.py in load_item$",
-]
+KNOWN: list[str] = []
 
 
 def is_known(target: str, signature: str) -> bool:

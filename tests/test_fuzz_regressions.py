@@ -144,15 +144,8 @@ def test_hf_import_of_deeply_nested_header(box: Sandbox) -> None:
     assert_clean(run_target("import_hf", box, tree))
 
 
-PT_LOAD = pytest.mark.xfail(
-    strict=True,
-    reason="ckptfmt/convert/torch_pt.py _load_local: torch.load of a damaged archive raises IndexError, "
-    "AttributeError, struct.error, OSError (EINVAL), KeyError, TypeError, AssertionError, which escape "
-    "(catch every exception of torch.load as SourceFormatError)",
-)
-
-
-@PT_LOAD
+# Found by the fuzz harness: torch.load of a damaged archive raised IndexError, AttributeError, struct.error,
+# OSError (EINVAL), KeyError, TypeError, AssertionError through ckptfmt/convert/torch_pt.py (now SourceFormatError).
 @pytest.mark.parametrize(
     "name",
     [
@@ -170,16 +163,12 @@ def test_damaged_pt_archive(name: str, box: Sandbox) -> None:
     assert_clean(run_target("import_pt", box, corpus_tree(name)))
 
 
-@PT_LOAD
 def test_cli_convert_damaged_pt_archive(box: Sandbox) -> None:
     case = ("pt", "convert", "{root}", "{dest}/out", "--to", "ckptfmt", "--from", "pt")
     assert_clean(run_target("cli_convert_from_pt", box, corpus_tree("pt-structerror"), args=case))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ckptfmt/convert/dcp.py load_item: torch.load of a damaged stored item raises IndexError, which escapes",
-)
+# Found by the fuzz harness: a damaged stored DCP item raised IndexError through ckptfmt/convert/dcp.py load_item.
 def test_damaged_dcp_item(box: Sandbox) -> None:
     assert_clean(run_target("import_dcp", box, corpus_tree("dcp-indexerror")))
 

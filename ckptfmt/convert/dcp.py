@@ -55,7 +55,7 @@ def load_item(loc: Location, item: StoredItem, fqn: str) -> Any:
         raise SourceFormatError(
             f"refused: {fqn!r} holds objects weights_only loading will not build", path=fqn
         ) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # a damaged item fails inside torch's parser with whatever it raises (IndexError...)
         raise SourceFormatError(
             f"{fqn!r}: bytes [{item.offset}, {item.offset + item.length}) are not a torch.save'd value "
             f"(only DCP's default torch_save serialization is supported): {exc}",

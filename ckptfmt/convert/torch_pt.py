@@ -13,11 +13,10 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-import zipfile
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, SourceFormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, SourceFormatError
 from .base import (
     ConvertResult,
     Location,
@@ -71,8 +70,12 @@ def _load(loc: Location) -> Any:
         raise SourceFormatError(
             f"refused: the file holds objects torch.load(weights_only=True) will not build ({first})", path=loc.url
         ) from exc
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
-        raise SourceFormatError(f"not a readable PyTorch file: {exc}", path=loc.url) from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        # torch.load parses an untrusted archive and lets the parser's own failures through as they come
+        # (IndexError, KeyError, struct.error, AssertionError, OSError(EINVAL)...): all mean a damaged file.
+        raise SourceFormatError(f"not a readable PyTorch file: {type(exc).__name__}: {exc}", path=loc.url) from exc
 
 
 def _load_local(loc: Location) -> Any:
