@@ -9,6 +9,7 @@ from ckptfmt.digests import digest_of
 from .edits import (
     DATA,
     add_field,
+    chain,
     delete,
     delete_file_member,
     manifest,
@@ -281,7 +282,7 @@ VECTORS: tuple[Invalid, ...] = (
         "path-absolute",
         ("PTH-2",),
         "The provenance blob's path is '/provenance/context.msgpack' (a naive join reaches the real file).",
-        replace_in_manifest(PROV, "/" + PROV, -1),
+        chain(replace_in_manifest(PROV, "/" + PROV, -1), manifest(lambda d: d["files"].sort(key=lambda r: r["path"]))),
     ),
     Invalid(
         "path-hidden-segment",
