@@ -1,16 +1,18 @@
 """Mutation testing of the suite itself: does every refusal check of the reference reader matter?
 
 A mutant is the reference reader with one requirement's refusals disabled. It is made at the AST
-level, so the library carries no switch for it: in a copy of each ``ckptfmt`` module's source, every
-simple statement (``raise ...``, or an expression statement such as ``report.problems.append(...)``
-or ``_require(ok, ..., "FLD-2")``) holding the string literal of that requirement ID is replaced by
-``pass``. A worker process imports ``ckptfmt`` with those modules swapped in (a meta-path finder) and
-runs every reader vector in process through :func:`ckptfmt.describe.describe`, judged exactly as the
-runner judges ``ckpt dump --canonical`` (conformance/classify.py). The mutant is *caught* when some
-vector the unmutated reader passes now fails; one that survives shows a check no vector needs, unless
-the check is provably redundant (:data:`REDUNDANT` says which rule catches it first).
+level, so the library carries no switch for it: in a copy of the source of each module a reader
+runs, a ``raise E(..., requirement=<expr>)`` whose ID is computed is guarded by ``if (<expr>) != ID``,
+and any other simple statement (``raise ...``, or an expression statement such as
+``report.problems.append(...)`` or ``_require(ok, ..., "FLD-2")``) holding the string literal of that
+ID is replaced by ``pass`` (:class:`_Disable`). A worker process imports ``ckptfmt`` with those
+modules swapped in (a meta-path finder) and runs every reader vector in process through
+:func:`ckptfmt.describe.describe`, judged exactly as the runner judges ``ckpt dump --canonical``
+(conformance/classify.py). The mutant is *caught* when some vector the unmutated reader passes now
+fails; one that survives shows a check no vector needs, unless the check is provably redundant
+(:data:`REDUNDANT` says which rule catches it).
 
-``python -m conformance mutants [--only ID ...] [--lenient] [--jobs N]``: ``--lenient`` judges with the
+``python -m conformance.mutants [--only ID ...] [--lenient] [--jobs N]``: ``--lenient`` judges with the
 protocol before issue 14 (any non-zero exit is a refusal), for the "before" score in the README.
 """
 
@@ -319,7 +321,7 @@ def score(mutants: list[Mutant]) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance mutants", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m conformance.mutants", description=__doc__)
     parser.add_argument("--only", action="append", default=[], metavar="ID", help="only this requirement's mutant")
     parser.add_argument("--lenient", action="store_true", help="judge with the protocol before issue 14")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes at once")

@@ -3,7 +3,7 @@ reader with any one refusal check disabled.
 
 The default run takes a sample of mutants over a handful of vectors (a few seconds); the full sweep,
 every mutant over every vector (minutes), runs with CKPTFMT_MUTANTS_FULL=1, or as
-``python -m conformance mutants``.
+``python -m conformance.mutants``.
 """
 
 from __future__ import annotations
