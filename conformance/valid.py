@@ -357,6 +357,18 @@ def encodings_expected(description: dict[str, Any]) -> None:
     description["fields"]["state"]["context"] = value
 
 
+def created_at(value: str) -> Callable[[], dict[str, Any]]:
+    """A small weights checkpoint whose provenance was written at ``value`` (a date-time FLD-12 admits)."""
+
+    def build() -> dict[str, Any]:
+        tensors = {"w": tensor("F32", [2], seed=60)}
+        return document(
+            "weights", {"weights": {"kind": "tensors", "tensors": tensors}, "provenance": provenance(created_at=value)}
+        )
+
+    return build
+
+
 VALID: tuple[Valid, ...] = (
     Valid(
         "weights",
@@ -522,5 +534,17 @@ VALID: tuple[Valid, ...] = (
         weights_base,
         post=mixed_digests,
         writer=False,
+    ),
+    Valid(
+        "created-at-leap-day-2000",
+        ("FLD-12",),
+        "Provenance written at 2000-02-29T23:59:59.123456789Z: a leap day (year divisible by 400), 9 fraction digits.",
+        created_at("2000-02-29T23:59:59.123456789Z"),
+    ),
+    Valid(
+        "created-at-year-0000",
+        ("FLD-12",),
+        "Provenance written at 0000-02-29T00:00:00Z: year 0000 is a leap year (RFC 3339 appendix C).",
+        created_at("0000-02-29T00:00:00Z"),
     ),
 )
