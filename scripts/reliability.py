@@ -544,9 +544,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}:", flush=True)
             (work / name).mkdir(parents=True, exist_ok=True)
             run()
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--out")]
-    args.out.write_text(render(rows, log, started, time.monotonic() - t0, passed))
-    print(f"wrote {args.out}")
+        # written before the scratch tree (hundreds of MB of small files) is removed
+        passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--out")]
+        args.out.write_text(render(rows, log, started, time.monotonic() - t0, passed))
+        print(f"wrote {args.out}", flush=True)
     return 0
 
 
