@@ -101,7 +101,7 @@ class WriteCodec:
     """What a writer was asked to encode with: a codec name and its options (``"zstd"``, ``"zstd:3"``)."""
 
     name: str = RAW
-    level: int = 1
+    level: int = 0  # 0: the codec's default (zstd: entropy coding of the byte planes, no match search)
     frame_bytes: int | None = None  # raw bytes per frame; None: the codec's default
 
     @classmethod

@@ -8,7 +8,7 @@ so a reader decodes only the frames a slice touches, fetches only their stored b
 lets a frame produce more than the manifest says it holds.
 
 Configuration: ``{"frame_bytes": F, "frames": [stored size of each frame], "bytegroup": bool,
-"level": L}`` (``level`` is informative).
+"level": L}`` (``level``, informative, only when the writer was asked for a zstd level).
 """
 
 from __future__ import annotations
@@ -38,9 +38,27 @@ def compressible(dtype: str) -> bool:
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """Level 0 (the default): no match search, so each block is Huffman-coded literals. On byte planes of
+    weights and optimizer moments, repeats long enough to match are rare: searching for them costs time
+    and the bits spent on the few found cost ratio (all-MiniLM-L6-v2: 0.823 fp32 / 0.673 bf16 against
+    0.829 / 0.686 with level 1, and 2-4x faster). Levels 1-19 are zstd's own."""
     cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+        if level == 0:
+            params = zstandard.ZstdCompressionParameters(
+                window_log=17,
+                chain_log=6,
+                hash_log=6,
+                search_log=1,
+                min_match=7,
+                target_length=0,
+                strategy=zstandard.STRATEGY_FAST,
+                write_checksum=True,
+                write_content_size=True,
+            )
+            cache[level] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     return cache[level]
 
 
@@ -82,12 +100,9 @@ class ZstdCodec:
         for lo in range(0, len(data), frame):
             piece = data[lo : lo + frame]
             parts.append(cctx.compress(group_bytes(piece, itemsize) if group else piece))
-        config: dict[str, object] = {
-            "bytegroup": group,
-            "frame_bytes": frame,
-            "frames": [len(p) for p in parts],
-            "level": level,
-        }
+        config: dict[str, object] = {"bytegroup": group, "frame_bytes": frame, "frames": [len(p) for p in parts]}
+        if level:
+            config["level"] = level
         return Encoded(parts=tuple(parts), configuration=config)
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:
