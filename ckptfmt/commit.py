@@ -10,6 +10,7 @@ their data files under the coordinator's lock and hand it their records.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointLockedError
@@ -17,6 +18,8 @@ from .lock import WriterLock, read_lock
 from .manifest import Manifest, checkpoint_id, parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME
 from .storage import Store
+
+log = logging.getLogger("ckptfmt")
 
 
 class Committer:
@@ -29,6 +32,14 @@ class Committer:
         self._acquire(overwrite)
 
     def _acquire(self, overwrite: bool) -> None:
+        self._lock(overwrite=overwrite)
+        try:
+            self._check_existing(overwrite)
+        except BaseException:
+            self.abort([])  # the lock was taken: never leave it held by a writer that gave up
+            raise
+
+    def _lock(self, *, overwrite: bool) -> None:
         for attempt in range(2):
             try:
                 self.store.put_exclusive(LOCK_NAME, self.holder.to_bytes())
@@ -44,9 +55,10 @@ class Committer:
                     "remove the lock (`ckpt gc`) or wait for it",
                     path=self.store.url,
                 ) from None
+
+    def _check_existing(self, overwrite: bool) -> None:
         if self.store.exists(MANIFEST_NAME):
             if not overwrite:
-                self.store.delete(LOCK_NAME)
                 raise CheckpointExistsError(
                     "a committed checkpoint is already here; pass overwrite=True to replace it",
                     path=self.store.url,
@@ -69,11 +81,17 @@ class Committer:
             raise CheckpointExistsError(
                 "another writer committed a checkpoint here first", path=self.store.url
             ) from None
-        keep = {f.path for f in manifest.files}
-        for path in self.old_files:
-            if path not in keep and path not in (MANIFEST_NAME, LOCK_NAME):
-                self.store.delete(path)
-        self.store.delete(LOCK_NAME)
+        # Committed. What follows is clean-up (step 6): a failure there must not report a committed save as
+        # failed; what it leaves (old files, the lock) is for gc, and this process may take its lock over.
+        try:
+            keep = {f.path for f in manifest.files}
+            for path in self.old_files:
+                if path not in keep and path not in (MANIFEST_NAME, LOCK_NAME):
+                    self.store.delete(path)
+            self.store.delete(LOCK_NAME)
+        except CheckpointError as exc:
+            log.warning("%s: committed, but clean-up failed (%s); `ckpt gc` removes what is left", self.store.url, exc)
+            self.holder.abandon()
         return checkpoint_id(data)
 
     def abort(self, written: Iterable[str]) -> None:

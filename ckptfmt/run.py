@@ -350,6 +350,10 @@ class RunDirectory:
         order = {MANIFEST_NAME: 0, LOCK_NAME: 2}
         for path in sorted(ours, key=lambda p: order.get(p, 1)):
             self.store.delete(prefix + path)
+            if path == MANIFEST_NAME:
+                # Durably un-committed before any data file goes: else a crash could keep the manifest and
+                # lose files it lists, leaving a checkpoint that opens and does not verify.
+                self.store.sync_dirs([prefix + MANIFEST_NAME])
         for path, upload_id in self.store.pending_uploads():
             if path.startswith(prefix):
                 self.store.abort_upload(path, upload_id)

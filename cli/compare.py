@@ -224,8 +224,19 @@ def compare(
     """
     fa, fb = a.fields, b.fields
     problems: list[dict[str, str]] = []
+    per_tensor = compared
+    if compared == "bytes":
+        # One streaming verify per side checks every byte against the whole-file and chunk digests (and the
+        # blobs); after it, matching chunk digests prove matching bytes, so tensors are compared by digest and
+        # only those that differ are read again.
+        for side, c in (("a", a), ("b", b)):
+            problems += [{"side": side, "url": c.url, **p.to_dict()} for p in c.verify().problems]
+        per_tensor = "digests"
     doc: dict[str, Any] = {
         "compared": compared,
+        "format_version": (
+            [a.format_version, b.format_version] if a.format_version != b.format_version else a.format_version
+        ),
         "fields": {
             "added": sorted(n for n in fb if n not in fa and not _ignored(ignore, n)),
             "removed": sorted(n for n in fa if n not in fb and not _ignored(ignore, n)),
@@ -255,7 +266,7 @@ def compare(
                 doc["tensors"]["removed"].append({"field": field, "name": name})
             else:
                 try:
-                    change = compare_tensor(a, b, field, name, compared=compared)
+                    change = compare_tensor(a, b, field, name, compared=per_tensor)
                 except (SideError, BothSidesError) as exc:
                     problems += _problems(exc, a, b)
                     continue
@@ -267,11 +278,33 @@ def compare(
             problems += _problems(exc, a, b)
             continue
         doc["context"] += [c for c in changes if not _ignored(ignore, f"{field}.{c['key']}")]
-    doc["problems"] = problems
+    doc["problems"] = _dedupe(problems)
     doc["identical"] = not (
-        any(doc["fields"].values()) or any(doc["tensors"].values()) or doc["context"] or doc["metadata"] or problems
+        any(doc["fields"].values())
+        or any(doc["tensors"].values())
+        or doc["context"]
+        or doc["metadata"]
+        or problems
+        or isinstance(doc["format_version"], list)
     )
     return doc
+
+
+def _dedupe(problems: list[dict[str, str]]) -> list[dict[str, str]]:
+    """One problem per corrupt thing: the first report of each (side, file, field, tensor), and no whole-file
+    report for a file whose chunk was already named (a flipped byte breaks both digests)."""
+    named = {(p["side"], p.get("path")) for p in problems if "tensor" in p}
+    out: list[dict[str, str]] = []
+    seen: set[tuple[str | None, ...]] = set()
+    for p in problems:
+        key = (p["side"], p.get("path"), p.get("field"), p.get("tensor"))
+        if key in seen or (
+            "tensor" not in p and p.get("code") == "digest_mismatch" and (p["side"], p.get("path")) in named
+        ):
+            continue
+        seen.add(key)
+        out.append(p)
+    return out
 
 
 def _problems(exc: SideError | BothSidesError, a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint) -> list[dict[str, str]]:

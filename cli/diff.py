@@ -46,6 +46,8 @@ def _render(doc: dict[str, Any]) -> str:
     marks = {"added": "+", "removed": "-", "changed": "~"}
     lines += [f"{marks[c['change']]} context {c['field']}: {c['key']}" for c in doc["context"]]
     lines += [f"~ metadata {k}" for k in doc["metadata"]]
+    if isinstance(doc["format_version"], list):
+        lines.append(f"~ format_version {doc['format_version'][0]} -> {doc['format_version'][1]}")
     return "\n".join(lines)
 
 

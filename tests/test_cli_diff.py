@@ -194,7 +194,11 @@ def test_digests_only_says_so_and_skips_reading(tmp_path: Path) -> None:
     assert "bytes not read" in human and "ckpt verify" in human
 
 
-def test_same_chunking_reads_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_identical_checkpoints_are_proven_by_one_verify_pass_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each side is verified once (every byte hashed against the file and chunk digests); matching chunk digests
+    then prove matching bytes, so no tensor is read again."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     write_training(a)
     write_training(b)
@@ -209,6 +213,4 @@ def test_same_chunking_reads_each_chunk_once(tmp_path: Path, monkeypatch: pytest
 
     monkeypatch.setattr(ckptfmt.Checkpoint, "read_slice", counting)
     assert run_cli("diff", a, b, "--json").exit_code == 0
-    with ckptfmt.open(a) as c:
-        chunks = sum(len(t.chunks) for f in c.fields.values() for t in f.tensors.values())
-    assert len(calls) == 2 * chunks
+    assert calls == []

@@ -44,12 +44,7 @@ def test_verify_detects_every_flip_and_truncation(small: corruption.CorruptionFi
     assert all(m.startswith(corruption.MANIFEST) for m in small.other_valid_manifest)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect D7: ckpt verify reports OK for a chunk whose codec no reader implements (a flip of 'raw' to "
-    "'rav'), though reading that tensor fails with unsupported_codec (ckptfmt/verify.py)",
-)
+# Defect D7, found by this harness: verify passed a chunk whose codec no reader implements (ckptfmt/verify.py).
 def test_verify_refuses_a_chunk_with_an_unknown_codec(tmp_path: Path) -> None:
     url = tmp_path / "ckpt"
     corruption.write_small(str(url))
@@ -63,13 +58,8 @@ def test_reading_detects_every_flip_and_truncation(small: corruption.CorruptionF
     assert small.by_read == small.tried
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect D6: ckpt diff checks chunk digests but not the manifest's whole-file digests nor its "
-    "format_version, so a copy whose manifest has a flipped data-file digest (verify fails) or reads 1.1 for 1.0 "
-    "diffs as 'identical (bytes compared)' (cli/compare.py)",
-)
+# Defect D6, found by this harness: ckpt diff checked chunk digests but not whole-file digests nor the
+# format_version (cli/compare.py); it now verifies both sides first.
 def test_diff_against_the_original_detects_a_flipped_file_digest(tmp_path: Path) -> None:
     import json
     import shutil

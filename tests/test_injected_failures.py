@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from crash import faults, full
 
 # One attempt: an endpoint that is down fails fast (the default five back off for seconds per trial; the
@@ -52,23 +51,17 @@ def test_enospc_at_every_write_fails_cleanly(tmp_path: Path) -> None:
     assert figures.failed_cleanly == figures.injected and figures.retried_whole == figures.injected // 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: when the directory fsync after the manifest's link fails, commit() aborts and deletes the data "
-    "files but leaves the linked manifest: a checkpoint that opens and does not verify (writer.py commit/abort)",
-)
+# Defect D3, found by this harness and fixed: when the directory fsync after the manifest's link fails, commit()
+# aborts and deletes the data  files but leaves the linked manifest: a checkpoint that opens and does not verify
+# (writer.py commit/abort)",
 def test_fsync_failure_after_the_manifest_link_leaves_no_broken_commit(tmp_path: Path) -> None:
     new_run = _runs(tmp_path)
     _held(faults.local_faults(new_run, "fsync", points=[faults.count("fsync", new_run())]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: a failure in CheckpointWriter.__init__ after the lock is linked (here its directory fsync) "
-    "leaves the lock of a live process, neither removed nor abandoned: gc keeps it, this process's retries are locked",
-)
+# Defect D4, found by this harness and fixed: a failure in CheckpointWriter.__init__ after the lock is linked (here
+# its directory fsync)  leaves the lock of a live process, neither removed nor abandoned: gc keeps it, this
+# process's retries are locked",
 def test_fsync_failure_after_the_lock_link_leaves_nothing_gc_cannot_clean(tmp_path: Path) -> None:
     _held(faults.local_faults(_runs(tmp_path), "fsync", points=[2]))
 
@@ -92,12 +85,9 @@ def test_s3_endpoint_down_from_any_request_fails_cleanly(moto_server: Any) -> No
     assert figures.failed_cleanly > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: the lock's removal after the manifest is written is outside commit()'s error handling: "
-    "when it fails the save raises StorageError although the checkpoint is committed (writer.py commit)",
-)
+# Defect D5, found by this harness and fixed: the lock's removal after the manifest is written is outside
+# commit()'s error handling:  when it fails the save raises StorageError although the checkpoint is committed
+# (writer.py commit)",
 def test_s3_failure_after_the_manifest_is_written_does_not_report_failure(moto_server: Any) -> None:
     new_run = _s3_runs(moto_server)
     total = faults.count("http", new_run(), S3_OPTIONS)

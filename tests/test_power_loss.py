@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
 from crash import payload, powerloss, size
 
 from ckptfmt.run import checkpoint_name
@@ -37,12 +36,9 @@ def _recorded(tmp_path: Path, adversarial_every: int = 0) -> powerloss.Recorder:
     return recorder
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: commit() never fsyncs the directory holding the checkpoint root (here the run directory), "
-    "so a power cut before the next fsync of that directory (set_latest) loses a checkpoint whose commit returned",
-)
+# Defect D1, found by this harness and fixed: commit() never fsyncs the directory holding the checkpoint root (here
+# the run directory), so a power cut before the next fsync of that directory (set_latest) loses a checkpoint whose
+# commit returned.
 def test_power_cut_right_after_a_commit_returned_keeps_that_checkpoint(tmp_path: Path) -> None:
     recorder = _recorded(tmp_path)
     for event in recorder.events:
@@ -54,12 +50,9 @@ def test_power_cut_right_after_a_commit_returned_keeps_that_checkpoint(tmp_path:
         assert verdict.outcome == "whole", f"step {event.step}: {verdict}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="defect: RunDirectory.delete unlinks the manifest and then the data files with no fsync between, "
-    "so a crash may keep the manifest and lose data files: a checkpoint that opens but does not verify",
-)
+# Defect D2, found by this harness and fixed: RunDirectory.delete unlinks the manifest and then the data files with
+# no fsync between,  so a crash may keep the manifest and lose data files: a checkpoint that opens but does not
+# verify",
 def test_retention_delete_is_never_seen_half_done(tmp_path: Path) -> None:
     recorder = _recorded(tmp_path)
     last = len(recorder.calls)  # step 1 was deleted by retention during the third save

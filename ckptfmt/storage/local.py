@@ -59,6 +59,24 @@ def split_path(path: str) -> list[str]:
     return parts
 
 
+def _makedirs_durably(root: str) -> None:
+    """Make ``root`` and its missing parents (the caller's own path: made as the OS resolves it), and fsync
+    the parent of each one made: a directory's entry lives in its parent, so without that a power cut can
+    lose the whole checkpoint root after its commit returned."""
+    made: list[str] = []
+    current = os.path.abspath(root)
+    while not os.path.exists(current):
+        made.append(current)
+        current = os.path.dirname(current)
+    os.makedirs(root, exist_ok=True)
+    for directory in made:
+        fd = os.open(os.path.dirname(directory), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _open_root(root: str, path: str, *, create: bool = False) -> int:
     try:
         try:
@@ -66,7 +84,7 @@ def _open_root(root: str, path: str, *, create: bool = False) -> int:
         except FileNotFoundError:
             if not create:
                 raise
-        os.makedirs(root, exist_ok=True)  # the caller's own path: made as the OS resolves it
+        _makedirs_durably(root)
         return os.open(root, _ROOT_FLAGS)
     except FileNotFoundError:
         raise MissingFileError(f"{root} does not exist", path=path) from None
@@ -380,7 +398,13 @@ class LocalStore(Store):
         assert isinstance(out, LocalOutput)
         out.write(data)
         out.link_exclusive()
-        self.sync_dirs([path])
+        try:
+            self.sync_dirs([path])
+        except StorageError:
+            # Not durable, so not published: take the name back (it is ours, linked exclusively just now), or
+            # a failed save would leave a manifest, or a lock, that nobody holds.
+            self.delete(path)
+            raise
 
     def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
         fd = self._open_read(path)
