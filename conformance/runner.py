@@ -21,7 +21,7 @@ from typing import IO, Any
 from ckptfmt.describe import describe
 from ckptfmt.errors import CheckpointError
 
-from .classify import Exchange, compare, judge_invalid, judge_valid
+from .classify import REFUSAL_STATUS, Exchange, compare, judge_invalid, judge_valid
 from .results import Kind, Result
 from .suite import Vector
 from .values import expected_description, load
@@ -174,6 +174,8 @@ def _scenario(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Result:
         kind, got = Kind.NO_ANSWER, "no answer"
     elif ex.status == 0:
         kind, got = Kind.NOT_REFUSED, "written"
+    elif ex.status != REFUSAL_STATUS:  # a signal or another status: a crash is not a refusal
+        kind, got = Kind.CRASHED, f"crashed (exit status {ex.status})"
     elif vec.doc["after"] == "unchanged" and after != before:
         changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
         kind, got = Kind.LEFT_CHANGES, f"refused, but changed the directory: {', '.join(changed)[:100]}"

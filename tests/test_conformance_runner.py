@@ -155,6 +155,23 @@ def test_a_writer_that_leaves_a_lock_fails_the_checks_it_breaks(tmp_path: Path) 
     assert statuses["PRO-1"] == "pass"  # the vector's own IDs: its content came back right
 
 
+def test_a_writer_that_crashes_on_an_input_it_must_refuse_fails_that_scenario(tmp_path: Path) -> None:
+    """Writer scenarios are as strict as reader vectors: only exit status 1 is a refusal, a crash is not."""
+    crash = script(
+        tmp_path,
+        "crash.py",
+        """
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    vectors = subset(tmp_path, "writer/foreign-lock")
+    proc = ckpt("run", "--writer", crash, "--vectors", str(vectors), "--json", "r.json", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    results = {r["vector"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    assert results["writer/foreign-lock"]["kind"] == "crashed"
+
+
 def test_only_and_skip_select_by_name_and_requirement_id(tmp_path: Path) -> None:
     vectors = subset(tmp_path, "valid/weights", "invalid/chunks-overlap", "invalid/symlink-file", "invalid/no-manifest")
     proc = ckpt("run", "--reader", READER, "--vectors", str(vectors), "--only", "PTH", "--only", "chunks-*",
