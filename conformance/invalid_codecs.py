@@ -105,13 +105,23 @@ def _tampered(tamper: Tamper) -> Mutation:
     return lambda t: to_zstd(t, tamper=tamper)
 
 
+def _sizes(encoded: Encoded) -> list[int]:
+    return [int(n) for n in (encoded.configuration or {})["frames"]]  # type: ignore[attr-defined]
+
+
 def _frames(encoded: Encoded) -> list[bytes]:
-    return [bytes(p) for p in encoded.parts]
+    """The stored frames, cut out of the encoder's output by the sizes it records."""
+    stored = b"".join(bytes(p) for p in encoded.parts)
+    out, at = [], 0
+    for size in _sizes(encoded):
+        out.append(stored[at : at + size])
+        at += size
+    return out
 
 
 def _with(encoded: Encoded, parts: list[bytes], **config: object) -> Encoded:
     configuration = {**dict(encoded.configuration or {}), "frames": [len(p) for p in parts], **config}
-    return Encoded(parts=tuple(parts), configuration=configuration)
+    return Encoded(parts=(b"".join(parts),), configuration=configuration)
 
 
 def frame_past_size(encoded: Encoded) -> Encoded:
@@ -144,7 +154,7 @@ def frame_checksum_wrong(encoded: Encoded) -> Encoded:
 
 def frames_miscounted(encoded: Encoded) -> Encoded:
     """The frame sizes add up, but there is one entry too many: the last frame's size split in two."""
-    sizes = [len(p) for p in encoded.parts]
+    sizes = _sizes(encoded)
     return Encoded(
         parts=encoded.parts,
         configuration={**dict(encoded.configuration or {}), "frames": [*sizes[:-1], sizes[-1] - 1, 1]},
@@ -153,14 +163,14 @@ def frames_miscounted(encoded: Encoded) -> Encoded:
 
 def frames_shifted(encoded: Encoded) -> Encoded:
     """Frame boundaries off by one: the first frame's stated size takes a byte of the second."""
-    sizes = [len(p) for p in encoded.parts]
+    sizes = _sizes(encoded)
     sizes[0] += 1
     sizes[1] -= 1
     return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "frames": sizes})
 
 
 def frames_overrun(encoded: Encoded) -> Encoded:
-    sizes = [len(p) for p in encoded.parts]
+    sizes = _sizes(encoded)
     sizes[-1] += 1
     return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "frames": sizes})
 

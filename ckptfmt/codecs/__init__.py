@@ -24,7 +24,7 @@ from ..manifest import RAW, Codec
 class Encoded:
     """A chunk as stored: its bytes in parts (written back to back) and the configuration to record."""
 
-    parts: tuple[bytes | memoryview, ...]
+    parts: tuple[bytes | bytearray | memoryview, ...]
     configuration: Mapping[str, object] | None
 
     @property

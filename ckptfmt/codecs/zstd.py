@@ -96,14 +96,17 @@ class ZstdCodec:
         frame = frame_bytes or FRAME_BYTES
         frame = max(itemsize, frame - frame % itemsize)
         cctx = _compressor(level)
-        parts: list[bytes] = []
+        stored = bytearray()  # frames appended in place: no list of frames joined later (one copy less)
+        sizes: list[int] = []
         for lo in range(0, len(data), frame):
             piece = data[lo : lo + frame]
-            parts.append(cctx.compress(group_bytes(piece, itemsize) if group else piece))
-        config: dict[str, object] = {"bytegroup": group, "frame_bytes": frame, "frames": [len(p) for p in parts]}
+            compressed = cctx.compress(group_bytes(piece, itemsize) if group else piece)
+            stored += compressed
+            sizes.append(len(compressed))
+        config: dict[str, object] = {"bytegroup": group, "frame_bytes": frame, "frames": sizes}
         if level:
             config["level"] = level
-        return Encoded(parts=tuple(parts), configuration=config)
+        return Encoded(parts=(stored,), configuration=config)
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:
         frame, sizes = _frames(codec, stored_size=stored_size, raw_size=raw_size)
