@@ -29,7 +29,7 @@ from .profiles import PROFILES
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 0  # becomes 1 with the release of 1.1, which adds conformance/golden/1.1 (tests/test_golden.py)
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 RAW_VERSION = f"{FORMAT_MAJOR}.0"  # VER-1: what a checkpoint whose chunks are all raw says (a valid 1.0 one)
 ENCODED_VERSION = f"{FORMAT_MAJOR}.1"  # VER-1: what a checkpoint with an encoded chunk says (spec/codecs.md)

@@ -179,8 +179,10 @@ def _check_regular(ckpt: Checkpoint, path: str) -> None:
     regular file (PTH-4). A missing or unreadable file is left to the presence and size checks."""
     try:
         ckpt.store.size(path)
-    except UnsafePathError as exc:  # (the stores name no rule; their messages say which it is)
-        if "symlink" in exc.message:
+    except UnsafePathError as exc:
+        if exc.requirement is not None:
+            raise
+        if "symlink" in exc.message:  # a store that names no rule: its message says which it is
             raise UnsafePathError(exc.message, path=path, requirement="PTH-3") from exc
         if "regular file" in exc.message:
             raise UnsafePathError(exc.message, path=path, requirement="PTH-4") from exc

@@ -55,7 +55,7 @@ def split_path(path: str) -> list[str]:
     parts = path.split("/")
     for part in parts:
         if part in ("", ".", "..") or "\0" in part:
-            raise UnsafePathError("is not a plain relative path below the root", path=path)
+            raise UnsafePathError("is not a plain relative path below the root", path=path, requirement="PTH-2")
     return parts
 
 
@@ -113,7 +113,9 @@ def _open_dir(dir_fd: int, name: str, path: str, *, create: bool = False) -> int
                 except OSError:
                     what = "not a directory"
                 raise UnsafePathError(
-                    f"component {name!r} is {what}; nothing below the root is followed", path=path
+                    f"component {name!r} is {what}; nothing below the root is followed",
+                    path=path,
+                    requirement="PTH-3" if what == "a symlink" else "PTH-4",
                 ) from exc
             raise StorageError(f"cannot open directory {name!r}: {exc}", path=path) from exc
     raise StorageError(f"directory {name!r} keeps disappearing", path=path)
@@ -160,14 +162,14 @@ def _open_regular(dir_fd: int | None, name: str, path: str) -> int:
         raise MissingFileError("file is missing", path=path) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafePathError("is a symlink; readers follow none", path=path) from exc
+            raise UnsafePathError("is a symlink; readers follow none", path=path, requirement="PTH-3") from exc
         if exc.errno == errno.ENXIO:  # a unix socket cannot be opened
-            raise UnsafePathError("is a socket, not a regular file", path=path) from exc
+            raise UnsafePathError("is a socket, not a regular file", path=path, requirement="PTH-4") from exc
         raise StorageError(f"cannot open: {exc}", path=path) from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise UnsafePathError(f"is {kind_of(mode)}, not a regular file", path=path)
+            raise UnsafePathError(f"is {kind_of(mode)}, not a regular file", path=path, requirement="PTH-4")
         fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # clears O_NONBLOCK (the only status flag it was opened with)
     except BaseException:
         os.close(fd)
