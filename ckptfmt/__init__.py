@@ -76,11 +76,14 @@ def open_writer(
     workers: int = 2,
     metadata: Mapping[str, str] | None = None,
     collective: Collective | None = None,
+    codec: str | None = None,
 ) -> CheckpointWriter:
     """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits.
 
     With ``collective``, every rank of the group calls this with the same ``url`` and writes its own
     tensors or chunks; rank 0 holds the lock and commits one manifest for all (a collective call).
+    ``codec``: None or ``"raw"`` stores raw chunks; ``"zstd"`` or ``"zstd:LEVEL"`` compresses floating-point
+    chunks losslessly (spec/codecs.md; such a checkpoint is format 1.1).
     """
     return CheckpointWriter(
         open_store(url, storage_options),
@@ -92,6 +95,7 @@ def open_writer(
         workers=workers,
         metadata=metadata,
         collective=collective,
+        codec=codec,
     )
 
 

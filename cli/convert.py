@@ -23,6 +23,11 @@ _CHOICES = click.Choice([*FORMATS, *ALIASES], case_sensitive=False)
 @click.option("--max-shard-size", metavar="SIZE", help="hf: largest shard, e.g. 5GB (default), 500MB, 2GiB.")
 @click.option("--target-file-size", metavar="SIZE", help="ckptfmt: data file target size (default 1GiB).")
 @click.option("--field", default="weights", show_default=True, help="hf/dcp: the tensor field to export.")
+@click.option(
+    "--codec",
+    metavar="CODEC",
+    help="ckptfmt to ckptfmt: re-encode the chunks with raw, zstd or zstd:LEVEL (lossless; see spec/codecs.md).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
 @storage_options
 @json_output
@@ -36,6 +41,7 @@ def convert_cmd(
     max_shard_size: str | None,
     target_file_size: str | None,
     field: str,
+    codec: str | None,
     overwrite: bool,
     storage_options: dict[str, Any],
     as_json: bool,
@@ -64,6 +70,7 @@ def convert_cmd(
             max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
             field=field,
             progress=bar,
+            codec=codec,
         )
     for note in result.notes:
         info(f"ckpt: note: {note}")

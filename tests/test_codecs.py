@@ -195,3 +195,25 @@ def test_mmap_read_checks_the_digest(tmp_path: Path) -> None:
     with pytest.raises(DigestMismatchError) as info:
         ckptfmt.open(str(tmp_path / "c")).read_tensor("weights", "w", mmap=True)
     assert info.value.tensor == "w"
+
+
+def test_ckpt_convert_codec_re_encodes_and_refuses_other_formats(tmp_path: Path) -> None:
+    from cli_helpers import run_cli
+
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.standard_normal((256, 64), dtype=np.float32), "ids": np.arange(100, dtype=np.int64)}
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    with ckptfmt.open_writer(src, profile="weights") as w:
+        w.write_tensors("weights", tensors)
+    ran = run_cli("convert", str(src), str(dst), "--to", "ckptfmt", "--codec", "zstd", "--json")
+    assert ran.exit_code == 0, ran.stderr
+    ckpt = ckptfmt.open(dst)
+    assert ckpt.tensor("weights", "w").chunks[0].codec.name == "zstd"
+    assert ckpt.tensor("weights", "ids").chunks[0].codec.name == "raw"  # integers are stored raw
+    assert all(np.array_equal(ckpt.read_tensor("weights", n), t) for n, t in tensors.items())
+    assert ckpt.verify().ok
+    back = run_cli("convert", str(dst), str(tmp_path / "raw"), "--to", "ckptfmt", "--codec", "raw")
+    assert back.exit_code == 0, back.stderr
+    assert ckptfmt.open(tmp_path / "raw").format_version == "1.0"
+    wrong = run_cli("convert", str(src), str(tmp_path / "hf"), "--to", "hf", "--codec", "zstd")
+    assert wrong.exit_code == 2 and "re-encodes a ckptfmt checkpoint" in wrong.stderr

@@ -319,7 +319,9 @@ def test_a_listed_file_no_field_uses_is_tolerated(training: str, raw: Raw) -> No
 
 
 def test_unknown_codec_refuses_only_that_tensor(training: str, raw: Raw) -> None:
-    raw.edit_manifest(training, lambda d: first_chunk(d).update(codec={"name": "zstd", "configuration": {"level": 3}}))
+    raw.edit_manifest(
+        training, lambda d: first_chunk(d).update(codec={"name": "org.example.unknown", "configuration": {"level": 3}})
+    )
     ckpt = ckptfmt.open(training)
     with pytest.raises(UnsupportedCodecError) as info:
         ckpt.read_tensor("weights", "layer0.w")

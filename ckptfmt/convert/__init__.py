@@ -89,12 +89,30 @@ def convert(
     max_shard_size: int | None = None,
     field: str = "weights",
     progress: Progress | None = None,
+    codec: str | None = None,
 ) -> ConvertResult:
-    """Convert ``src`` to format ``to`` at ``dst``; one side must be ckptfmt."""
+    """Convert ``src`` to format ``to`` at ``dst``; one side must be ckptfmt.
+
+    ``codec`` re-encodes a ckptfmt checkpoint (ckptfmt to ckptfmt) with that codec ("raw", "zstd", "zstd:N").
+    """
+    fmt = normalize_format(source_format) if source_format else detect_format(src, storage_options)
+    if codec is not None and (fmt != "ckptfmt" or normalize_format(to) != "ckptfmt"):
+        raise UsageError("--codec re-encodes a ckptfmt checkpoint: import first, then convert ckptfmt to ckptfmt")
+    if codec is not None:
+        from .native import reencode
+
+        result = reencode(
+            src,
+            dst,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            target_file_size=target_file_size,
+            codec=codec,
+            progress=progress,
+        )
+        return _with_files(result, storage_options)
     return _with_files(
-        _convert(
-            src, dst, to, source_format, storage_options, overwrite, target_file_size, max_shard_size, field, progress
-        ),
+        _convert(src, dst, to, fmt, storage_options, overwrite, target_file_size, max_shard_size, field, progress),
         storage_options,
     )
 

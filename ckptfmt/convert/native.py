@@ -23,6 +23,7 @@ def reencode(
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     target_file_size: int | None = None,
+    codec: str | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
     import ckptfmt
@@ -41,6 +42,8 @@ def reencode(
             options["digest"] = manifest.files[0].digest.partition(":")[0]
         if target_file_size is not None:
             options["target_file_size"] = target_file_size
+        if codec is not None:
+            options["codec"] = codec
         with ckptfmt.open_writer(dst, profile=ckpt.profile, **options) as writer:
             for fname, record in manifest.fields.items():
                 if record.kind == "tensors":
