@@ -19,6 +19,8 @@ from .invalid_codecs import VECTORS as CODEC_VECTORS
 from .invalid_codecs import zstd_input
 from .invalid_context import VECTORS as CONTEXT_VECTORS
 from .invalid_manifest import VECTORS as MANIFEST_VECTORS
+from .invalid_ranks import VECTORS as RANK_VECTORS
+from .invalid_ranks import ranks_input
 from .invalid_tensors import VECTORS as TENSOR_VECTORS
 from .mutations import Tree
 from .reference_writer import write
@@ -26,8 +28,8 @@ from .scenarios import SCENARIOS
 from .valid import VALID
 from .values import expected_description, load
 
-INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS, *CODEC_VECTORS)
-BASES = {"weights": weights_base, "training-minimal": training_base, "zstd": zstd_input}
+INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS, *CODEC_VECTORS, *RANK_VECTORS)
+BASES = {"weights": weights_base, "training-minimal": training_base, "zstd": zstd_input, "ranks": ranks_input}
 
 
 def _normalized(doc: dict[str, Any]) -> dict[str, Any]:

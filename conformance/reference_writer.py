@@ -1,18 +1,22 @@
 """The reference writer adapter: ``python -m conformance.reference_writer INPUT.json OUT_DIR``.
 
 Writes the checkpoint a writer input describes with ``ckptfmt.open_writer`` and prints its
-checkpoint id on stdout. Honours the optional ``hints`` (target file size, digest algorithm) and
-per-tensor ``chunks`` hints (each rank's chunks are written, then flushed to that rank's file).
+checkpoint id on stdout. Honours the optional ``hints`` (target file size, digest algorithm) and the
+``rank`` hints of chunks and context fields: an input naming ranks above 0 is written as a real
+multi-rank save, one writer per rank (threads joined by a ThreadCollective), each rank writing its own
+chunks and contexts, rank 0 the whole tensors and the commit.
 Exit 0 written; 1 refused, with ``error [CODE]: message`` on stderr.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import ckptfmt
+from ckptfmt.collective import ThreadCollective
 from ckptfmt.errors import CheckpointError
 from ckptfmt.writer import DEFAULT_TARGET_FILE_SIZE, CheckpointWriter
 
@@ -42,16 +46,74 @@ def _write_field(w: CheckpointWriter, name: str, field: dict[str, Any]) -> None:
         w.write_context(name, to_context(field["context"]))  # type: ignore[arg-type]
 
 
+def _ranks(writer_input: dict[str, Any]) -> int:
+    """How many ranks the input's ``rank`` hints name (1 when none does)."""
+    ranks = [0]
+    for field in writer_input["fields"].values():
+        ranks.append(int(field.get("rank", 0)))
+        for entry in field.get("tensors", {}).values():
+            ranks += [int(c["rank"]) for c in entry.get("chunks", ())]
+    return max(ranks) + 1
+
+
+def _write_rank(w: CheckpointWriter, writer_input: dict[str, Any], rank: int) -> None:
+    """One rank's part of a multi-rank save: its chunks and contexts; rank 0 also the whole tensors."""
+    fields: dict[str, Any] = writer_input["fields"]
+    for name in sorted(fields):
+        field = fields[name]
+        if field["kind"] == "tensors":
+            w.write_tensors(name, {})
+        for tname, entry in field.get("tensors", {}).items():
+            if "chunks" not in entry and rank == 0:
+                w.write_tensor(name, tname, array_from(entry))
+        for tname, entry in field.get("tensors", {}).items():
+            for chunk in entry.get("chunks", ()):
+                if int(chunk["rank"]) == rank:
+                    box = tuple(slice(o, o + s) for o, s in zip(chunk["offsets"], chunk["shape"], strict=True))
+                    data = array_from(entry)[box]
+                    w.write_tensor(
+                        name, tname, data, global_shape=tuple(entry["shape"]), offsets=tuple(chunk["offsets"])
+                    )
+        if "context" in field and int(field.get("rank", 0)) == rank:
+            w.write_context(name, to_context(field["context"]))  # type: ignore[arg-type]
+
+
+def _write_ranks(writer_input: dict[str, Any], out_dir: str | Path, world: int, options: dict[str, Any]) -> str:
+    group = ThreadCollective.group(world)
+    outcomes: list[str | BaseException] = [""] * world
+
+    def run(rank: int) -> None:
+        try:
+            with ckptfmt.open_writer(out_dir, collective=group[rank], **options) as w:
+                _write_rank(w, writer_input, rank)
+            outcomes[rank] = str(w.checkpoint_id)
+        except BaseException as exc:  # every rank fails with the coordinator's error; rank 0's is reported
+            outcomes[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = outcomes[0]
+    if isinstance(first, BaseException):
+        raise first
+    return first
+
+
 def write(writer_input: dict[str, Any], out_dir: str | Path) -> str:
     """Write ``writer_input`` to ``out_dir``; returns the checkpoint id."""
     hints: dict[str, Any] = writer_input.get("hints", {})
-    with ckptfmt.open_writer(
-        out_dir,
-        profile=writer_input["profile"],
-        metadata=writer_input.get("metadata") or None,
-        target_file_size=int(hints.get("target_file_size", DEFAULT_TARGET_FILE_SIZE)),
-        digest=str(hints.get("digest", "xxh3-128")),
-    ) as w:
+    options: dict[str, Any] = {
+        "profile": writer_input["profile"],
+        "metadata": writer_input.get("metadata") or None,
+        "target_file_size": int(hints.get("target_file_size", DEFAULT_TARGET_FILE_SIZE)),
+        "digest": str(hints.get("digest", "xxh3-128")),
+    }
+    world = _ranks(writer_input)
+    if world > 1:
+        return _write_ranks(writer_input, out_dir, world, options)
+    with ckptfmt.open_writer(out_dir, **options) as w:
         for name in sorted(writer_input["fields"]):
             _write_field(w, name, writer_input["fields"][name])
     assert w.checkpoint_id is not None

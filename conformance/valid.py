@@ -8,7 +8,6 @@ with ``writer=True`` also ship their writer input, for ``run --writer``.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from .inputs import (
     weights_base,
 )
 from .invalid_codecs import to_zstd, zstd_input
+from .invalid_ranks import ranks_input
 from .mutations import Json, Tree
 
 
@@ -261,14 +261,6 @@ def context_encodings() -> dict[str, Any]:
 # ---------------------------------------------------------------- post-processing
 
 
-def as_ranks(tree: Tree) -> None:
-    """Rename ``<field>/r00000-0000K.safetensors`` (one flush per rank) to ``<field>/r0000K-00000.safetensors``."""
-    for record in tree.manifest()["files"]:
-        m = re.fullmatch(r"(\w+)/r00000-(\d{5})\.safetensors", record["path"])
-        if m and m.group(2) != "00000":
-            tree.move(record["path"], f"{m.group(1)}/r{m.group(2)}-00000.safetensors")
-
-
 def unknown_keys(doc: Json) -> None:
     doc["x-top"] = {"a": [1, {"b": True}]}
     doc["extensions"] = [{"name": "org.example.note", "must_understand": False, "configuration": {"a": 1}, "x-ext": 1}]
@@ -415,16 +407,21 @@ VALID: tuple[Valid, ...] = (
     Valid(
         "sharded-even",
         ("TEN-15", "TEN-16", "TEN-17", "TEN-18"),
-        "Tensors in even chunks written by four simulated ranks, one data file per rank.",
+        "Tensors in even chunks written by four ranks (a real multi-rank save), one data file per rank.",
         sharded_even,
-        post=as_ranks,
     ),
     Valid(
         "sharded-uneven",
         ("TEN-15", "TEN-16", "TEN-17", "TEN-18", "TEN-22"),
-        "Uneven row chunks, an uneven 2-D grid, a tensor held by two of four ranks.",
+        "Uneven row chunks, an uneven 2-D grid, a tensor held by two of four ranks (a real multi-rank save).",
         sharded_uneven,
-        post=as_ranks,
+    ),
+    Valid(
+        "multi-rank",
+        ("TEN-15", "TEN-18", "LAY-3"),
+        "A real multi-rank save: uneven row shards from four ranks, each its own data file; the data field's "
+        "context written by rank 2 (data/context.r00002.msgpack); a replicated tensor written once, by rank 0.",
+        ranks_input,
     ),
     Valid(
         "extra-fields",

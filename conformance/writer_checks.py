@@ -83,6 +83,9 @@ def paths(out: Output) -> list[str]:
     return problems
 
 
+CONTEXT_RANK_NAME = re.compile(r"context\.r\d{5,}\.msgpack")  # LAY-1: a blob written by a rank other than 0
+
+
 def names(out: Output) -> list[str]:
     problems = [
         f"data file {c['path']} is not {f}/r<RANK>-<SEQ>.safetensors"
@@ -90,7 +93,10 @@ def names(out: Output) -> list[str]:
         if (m := DATA_NAME.fullmatch(c["path"])) is None or m.group(1) != f
     ]
     return problems + [
-        f"context blob {p} is not {f}/context.msgpack" for f, p in out.contexts().items() if p != f"{f}/context.msgpack"
+        f"context blob {p} is not {f}/context.msgpack or {f}/context.r<RANK>.msgpack"
+        for f, p in out.contexts().items()
+        if p != f"{f}/context.msgpack"
+        and CONTEXT_RANK_NAME.fullmatch(p[len(f) + 1 :] if p.startswith(f + "/") else "") is None
     ]
 
 
