@@ -5,4 +5,4 @@ ruff check .
 ruff format --check .
 mypy
 # plain pytest (not python -m pytest): the cwd must not shadow the installed package
-exec pytest -q -p no:cacheprovider "$@"
+exec pytest -q -p no:cacheprovider --durations=25 "$@"
