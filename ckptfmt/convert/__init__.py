@@ -95,11 +95,12 @@ def convert(
 
     ``codec`` re-encodes a ckptfmt checkpoint (ckptfmt to ckptfmt) with that codec ("raw", "zstd", "zstd:N").
     """
-    fmt = normalize_format(source_format) if source_format else detect_format(src, storage_options)
-    if codec is not None and (fmt != "ckptfmt" or normalize_format(to) != "ckptfmt"):
-        raise UsageError("--codec re-encodes a ckptfmt checkpoint: import first, then convert ckptfmt to ckptfmt")
     if codec is not None:
         from .native import reencode
+
+        fmt = normalize_format(source_format) if source_format else detect_format(src, storage_options)
+        if fmt != "ckptfmt" or normalize_format(to) != "ckptfmt":
+            raise UsageError("--codec re-encodes a ckptfmt checkpoint: import first, then convert ckptfmt to ckptfmt")
 
         result = reencode(
             src,
@@ -112,7 +113,9 @@ def convert(
         )
         return _with_files(result, storage_options)
     return _with_files(
-        _convert(src, dst, to, fmt, storage_options, overwrite, target_file_size, max_shard_size, field, progress),
+        _convert(
+            src, dst, to, source_format, storage_options, overwrite, target_file_size, max_shard_size, field, progress
+        ),
         storage_options,
     )
 
