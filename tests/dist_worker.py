@@ -107,7 +107,11 @@ def main() -> None:
             (out / f"errors-{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
         os._exit(0)  # the group is broken: skip destroy_process_group, which would wait for rank 1
     dist.barrier()
-    dist.destroy_process_group()
+    # Leave without tearing the group down: every rank is past the barrier, and gloo's teardown at interpreter
+    # exit has been seen to abort ("terminate called without an active exception") after all work was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
