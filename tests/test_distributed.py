@@ -90,6 +90,8 @@ def test_four_ranks_write_their_own_shards_into_one_checkpoint(saved: Path) -> N
     assert len(rng["ranks"]) == 4  # type: ignore[arg-type]
     topology = ckpt.read_context("topology")
     assert topology["world_size"] == 4
+    placed = topology["tensors"]["weights/0.weight"]  # type: ignore[index]
+    assert placed["placements"] == ["Shard(0)"] and placed["mesh"]["shape"] == [4]  # the saving layout
     reference = load_file(str(saved / "reference-weights.safetensors"))
     same({n: ckpt.read_tensor("weights", n) for n in ckpt.tensor_names("weights")}, reference)
 

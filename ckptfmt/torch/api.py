@@ -19,7 +19,7 @@ from ..reader import Checkpoint, open_checkpoint
 from ..storage import open_store
 from ..writer import CheckpointWriter
 from . import loader as loader_mod
-from . import rng, state
+from . import rng, sharding, state
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
@@ -112,6 +112,10 @@ def capture(
     snap.contexts["data"] = data
     snap.contexts["config"] = state.config_field(config)
     snap.contexts["topology"] = topology(mesh)
+    saved_mesh, placed = sharding.placements(model)
+    if placed:  # the layout the state was saved in (spec/fields.md, topology.tensors); loads may use another
+        snap.contexts["topology"]["tensors"] = placed
+        snap.contexts["topology"].setdefault("mesh", saved_mesh)
     snap.contexts["provenance"] = prov.capture(step=step, parent=parent, code=code)
     if scheduler is not None:
         state.capture_stateful("scheduler", scheduler, snap)

@@ -126,3 +126,28 @@ def to_target(tensor: torch.Tensor, like: Any) -> Any:
 
     local = tensor.to(like.to_local().device)
     return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+
+def _placement(placement: Any) -> str:
+    """``Shard(d)``, ``Replicate()`` or ``<Kind>()``, as spec/fields.md spells them (torch's str() varies)."""
+    if placement.is_shard():
+        return f"Shard({placement.dim})"
+    if placement.is_replicate():
+        return "Replicate()"
+    return f"{type(placement).__name__}()"
+
+
+def placements(model: Any) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """The model's device mesh (``{"dims", "shape"}``, from its first DTensor) and, per sharded weight
+    (``weights/<name>``), its placements on that mesh: what ``topology`` records of the saving layout."""
+    mesh: dict[str, Any] | None = None
+    tensors: dict[str, dict[str, Any]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not is_dtensor(tensor):
+            continue
+        device_mesh = tensor.device_mesh
+        names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(device_mesh.ndim))
+        record = {"dims": list(names), "shape": [int(d) for d in device_mesh.shape]}
+        mesh = mesh or record
+        tensors[f"weights/{name}"] = {"placements": [_placement(p) for p in tensor.placements], "mesh": record}
+    return mesh, tensors
