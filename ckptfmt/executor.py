@@ -10,7 +10,8 @@ header of a safetensors file needs every entry's stored size, so such a file is 
 (at most ``plan.ENCODED_FILE_BYTES`` of raw data, ~that much encoded) and then streamed.
 
 Memory bound of a write: references (never copies) to the arrays of at most ``workers + 1`` files,
-plus per worker one ``SLICE_BYTES`` slice in flight, or one encoded file and one frame's byte planes.
+plus per worker one ``SLICE_BYTES`` slice in flight, or one encoded file and one frame's byte planes,
+and (local stores) one staging buffer of ``storage.direct.BUFFER_BYTES``.
 """
 
 from __future__ import annotations

@@ -63,17 +63,24 @@ class _Tampering(ZstdCodec):
         return self.tamper(encoded) if len(data) == self.tensor_bytes else encoded
 
 
-def to_zstd(t: Tree, *, tamper: Tamper | None = None, target_bytes: int = 10240) -> None:
+class _WithoutSignLast(ZstdCodec):
+    sign_last = False
+
+
+def to_zstd(t: Tree, *, tamper: Tamper | None = None, target_bytes: int = 10240, sign_last: bool = True) -> None:
     """Re-encode the checkpoint in ``t`` with zstd (frames of ``FRAME_BYTES``), in place.
 
     ``tamper`` rewrites the encoder's output for every chunk of ``target_bytes`` raw bytes (tensor ``w``
-    of :func:`zstd_input`, or of the ``weights`` base) before the writer records it.
+    of :func:`zstd_input`, or of the ``weights`` base) before the writer records it; without
+    ``sign_last`` floating tensors are byte-grouped only.
     """
     src = ckptfmt.open(str(t.root))
     staging = t.root.parent / (t.root.name + ".zstd")
     real = get_codec("zstd")
     if tamper is not None:
         register(_Tampering(tamper, target_bytes))
+    elif not sign_last:
+        register(_WithoutSignLast())
     try:
         with CheckpointWriter(
             open_store(str(staging)),
@@ -179,6 +186,15 @@ def frame_bytes_not_multiple(encoded: Encoded) -> Encoded:
     return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "frame_bytes": 4095})
 
 
+def sign_last_not_boolean(encoded: Encoded) -> Encoded:
+    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "sign_last": 1})
+
+
+def unknown_member(encoded: Encoded) -> Encoded:
+    """A filter this reader cannot know: decoding without it would give wrong values that pass every checksum."""
+    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "delta": True})
+
+
 def _chunk(doc: Json, name: str) -> Json:
     return doc["fields"]["weights"]["tensors"][name]["chunks"][0]
 
@@ -250,6 +266,22 @@ VECTORS: tuple[Invalid, ...] = (
         ("COD-4",),
         "Tensor w (zstd, bytegroup, F32): 'frame_bytes' is 4095, not a multiple of the itemsize.",
         _tampered(frame_bytes_not_multiple),
+        base="zstd",
+        scope="tensor",
+    ),
+    Invalid(
+        "zstd-sign-last-not-boolean",
+        ("COD-4",),
+        "Tensor w (zstd, F32): 'sign_last' is the integer 1, not a boolean.",
+        _tampered(sign_last_not_boolean),
+        base="zstd",
+        scope="tensor",
+    ),
+    Invalid(
+        "zstd-config-unknown-member",
+        ("COD-4",),
+        "Tensor w (zstd): its configuration has a member 'delta' that spec/codecs.md does not define.",
+        _tampered(unknown_member),
         base="zstd",
         scope="tensor",
     ),

@@ -467,11 +467,20 @@ VALID: tuple[Valid, ...] = (
     Valid(
         "zstd",
         ("COD-1", "COD-2", "COD-3", "COD-4", "COD-5", "SAF-13", "VER-1"),
-        "Floating tensors of every width compressed with zstd (byte planes, frames of 4096 raw bytes, one tensor "
-        "in three frames, one in two zstd chunks); integer and tiny tensors raw, in a data file of their own; "
-        "format_version 1.1.",
+        "Floating tensors of every width compressed with zstd (sign rotated last, byte planes, frames of 4096 raw "
+        "bytes, one tensor in three frames, one in two zstd chunks); integer and tiny tensors raw, in a data file "
+        "of their own; format_version 1.1.",
         zstd_input,
         post=to_zstd,
+        writer=False,
+        expect=lambda d: d.update(format_version="1.1"),
+    ),
+    Valid(
+        "zstd-bytegroup",
+        ("COD-4", "COD-5"),
+        "The tensors of the zstd vector in byte planes without 'sign_last' (absent): each element's bytes as stored.",
+        zstd_input,
+        post=lambda t: to_zstd(t, sign_last=False),
         writer=False,
         expect=lambda d: d.update(format_version="1.1"),
     ),

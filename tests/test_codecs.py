@@ -25,16 +25,25 @@ def _save(path: Path, tensors: dict[str, np.ndarray], codec: str | None = "zstd"
     return ckptfmt.open(str(path))
 
 
+@pytest.mark.parametrize("sign_last", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.uint8])
-def test_group_bytes_round_trip(dtype: object) -> None:
+def test_group_bytes_round_trip(dtype: object, sign_last: bool) -> None:
     a = np.random.default_rng(1).standard_normal(1001).astype(dtype)  # type: ignore[call-overload]
     raw = memoryview(a.tobytes())
-    planes = group_bytes(raw, a.itemsize)
+    planes = group_bytes(raw, a.itemsize, sign_last=sign_last)
     out = bytearray(len(raw))
-    ungroup_bytes(bytes(planes), a.itemsize, memoryview(out))
+    ungroup_bytes(bytes(planes), a.itemsize, memoryview(out), sign_last=sign_last)
     assert bytes(out) == bytes(raw)
-    if a.itemsize > 1:  # the most significant byte of the first element leads
+    if a.itemsize > 1 and not sign_last:  # the most significant byte of the first element leads
         assert planes[0] == raw[a.itemsize - 1]
+
+
+def test_sign_last_puts_the_exponent_in_the_high_plane() -> None:
+    a = np.array([-1.5, 2.0, -0.0, 3.0e-3], dtype=ml_dtypes.bfloat16)
+    bits = a.view(np.uint16)
+    planes = bytes(group_bytes(memoryview(a.tobytes()), 2, sign_last=True))
+    assert list(planes[:4]) == [int(b >> 7) & 0xFF for b in bits]  # the 8 exponent bits, nothing else
+    assert list(planes[4:]) == [int(b & 0x7F) << 1 | int(b >> 15) for b in bits]  # mantissa, then the sign
 
 
 def test_zstd_checkpoint_round_trip_and_slices(tmp_path: Path) -> None:
@@ -50,6 +59,7 @@ def test_zstd_checkpoint_round_trip_and_slices(tmp_path: Path) -> None:
     chunks = {n: t.chunks[0] for n, t in ckpt.fields["weights"].tensors.items()}
     assert {n: c.codec.name for n, c in chunks.items()} == {"f32": "zstd", "bf16": "zstd", "i64": "raw", "tiny": "raw"}
     assert chunks["f32"].codec.configuration is not None
+    assert chunks["f32"].codec.configuration["sign_last"] is True
     assert len(chunks["f32"].codec.configuration["frames"]) == -(-tensors["f32"].nbytes // FRAME_BYTES)  # type: ignore[arg-type]
     # encoded and raw chunks never share a data file
     assert chunks["f32"].path != chunks["i64"].path and chunks["f32"].path == chunks["bf16"].path

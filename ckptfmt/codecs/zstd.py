@@ -3,12 +3,15 @@
 A chunk's raw bytes are cut into frames of ``frame_bytes`` raw bytes (the last may be shorter).
 With ``bytegroup``, each frame's elements are split into byte planes before compression (the most
 significant byte of every element, then the next, ...): float exponents land side by side, which is
-where zstd finds the redundancy. Each frame is one zstd frame with its content size and checksum,
-so a reader decodes only the frames a slice touches, fetches only their stored bytes, and never
-lets a frame produce more than the manifest says it holds.
+where zstd finds the redundancy. With ``sign_last`` as well, each element is first rotated left by
+one bit, so the sign moves to the lowest bit and the high plane holds exponent bits only (bf16 and
+fp32: exactly the 8-bit exponent), which the entropy coder then sees without the sign's noise.
+Each frame is one zstd frame with its content size and checksum, so a reader decodes only the
+frames a slice touches, fetches only their stored bytes, and never lets a frame produce more than
+the manifest says it holds.
 
 Configuration: ``{"frame_bytes": F, "frames": [stored size of each frame], "bytegroup": bool,
-"level": L}`` (``level``, informative, only when the writer was asked for a zstd level).
+"sign_last": bool, "level": L}`` (``level``, informative, only when the writer was asked for a zstd level).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ MIN_COMPRESS_BYTES = 4096  # smaller chunks stay raw: a frame header and checksu
 MAX_FRAMES = 1 << 24
 _FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 _COMPRESSIBLE = _FLOATING | {"I64", "I32", "I16", "U64", "U32", "U16"}
+_CONFIG_MEMBERS = frozenset({"frame_bytes", "frames", "bytegroup", "sign_last", "level"})
 _local = threading.local()  # a zstd context per thread: contexts are not thread-safe
 
 
@@ -69,25 +73,41 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def group_bytes(data: memoryview, itemsize: int) -> memoryview:
-    """Byte planes of ``data``: the most significant byte of every (little-endian) element first."""
+def group_bytes(data: memoryview, itemsize: int, *, sign_last: bool = False) -> memoryview:
+    """Byte planes of ``data``: the most significant byte of every (little-endian) element first;
+    with ``sign_last``, of the elements rotated left by one bit."""
+    if sign_last:
+        elements = np.frombuffer(data, dtype=f"<u{itemsize}")
+        data = ((elements << 1) | (elements >> (8 * itemsize - 1))).data.cast("B")
     if itemsize == 1:
         return data
     rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
     return np.ascontiguousarray(rows[:, ::-1].T).data.cast("B")
 
 
-def ungroup_bytes(planes: bytes, itemsize: int, out: memoryview) -> None:
+def ungroup_bytes(planes: bytes, itemsize: int, out: memoryview, *, sign_last: bool = False) -> None:
     """Inverse of :func:`group_bytes`, written straight into ``out``."""
     if itemsize == 1:
         out[:] = planes
-        return
-    target = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    target[:, ::-1] = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1).T
+    else:
+        target = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
+        target[:, ::-1] = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1).T
+    if sign_last:
+        rotate_right(out, itemsize)
+
+
+def rotate_right(out: memoryview, itemsize: int) -> None:
+    """Rotate each (little-endian) element of ``out`` right by one bit, in place: undoes ``sign_last``."""
+    elements = np.frombuffer(out, dtype=f"<u{itemsize}")
+    low = elements & 1
+    elements >>= 1
+    low <<= 8 * itemsize - 1
+    elements |= low
 
 
 class ZstdCodec:
     name = NAME
+    sign_last = True  # with bytegroup (floating dtypes); a subclass without it writes 1.1's older layout
 
     def encode(
         self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
@@ -100,10 +120,12 @@ class ZstdCodec:
         sizes: list[int] = []
         for lo in range(0, len(data), frame):
             piece = data[lo : lo + frame]
-            compressed = cctx.compress(group_bytes(piece, itemsize) if group else piece)
+            compressed = cctx.compress(group_bytes(piece, itemsize, sign_last=self.sign_last) if group else piece)
             stored += compressed
             sizes.append(len(compressed))
         config: dict[str, object] = {"bytegroup": group, "frame_bytes": frame, "frames": sizes}
+        if group and self.sign_last:
+            config["sign_last"] = True
         if level:
             config["level"] = level
         return Encoded(parts=(stored,), configuration=config)
@@ -127,7 +149,8 @@ class ZstdCodec:
         frame = int(config["frame_bytes"])  # type: ignore[call-overload]  # checked by plan_frames
         sizes: Sequence[int] = config["frames"]  # type: ignore[assignment]
         group = config.get("bytegroup") is True and itemsize > 1
-        if group and frame % itemsize:
+        sign_last = config.get("sign_last") is True
+        if (group or sign_last) and frame % itemsize:
             raise ManifestError(
                 f"zstd 'frame_bytes' {frame} is not a multiple of the itemsize {itemsize}", requirement="COD-4"
             )
@@ -138,9 +161,11 @@ class ZstdCodec:
             size = sizes[index]
             decoded = _decode_frame(stored[position : position + size], want, index)
             if group:
-                ungroup_bytes(decoded, itemsize, out[lo : lo + want])
+                ungroup_bytes(decoded, itemsize, out[lo : lo + want], sign_last=sign_last)
             else:
                 out[lo : lo + want] = decoded
+                if sign_last:
+                    rotate_right(out[lo : lo + want], itemsize)
             position += size
             index += 1
 
@@ -187,9 +212,12 @@ def _frames(codec: Codec, *, stored_size: int, raw_size: int) -> tuple[int, list
         raise ManifestError(f"zstd 'frame_bytes' must be a positive integer, got {frame!r}", requirement="COD-4")
     if type(sizes) is not list or not all(type(s) is int and s > 0 for s in sizes):
         raise ManifestError("zstd 'frames' must be a list of positive integers", requirement="COD-4")
-    group = config.get("bytegroup", False)
-    if type(group) is not bool:
-        raise ManifestError("zstd 'bytegroup' must be a boolean", requirement="COD-4")
+    for flag in ("bytegroup", "sign_last"):
+        if type(config.get(flag, False)) is not bool:
+            raise ManifestError(f"zstd '{flag}' must be a boolean", requirement="COD-4")
+    unknown = sorted(set(config) - _CONFIG_MEMBERS)
+    if unknown:  # every member but 'level' changes how the bytes decode: one not understood is refused
+        raise ManifestError(f"zstd configuration has members this reader does not know: {unknown}", requirement="COD-4")
     expected = -(-raw_size // frame)
     if len(sizes) != expected or len(sizes) > MAX_FRAMES:
         raise ManifestError(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError
 from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
+from .direct import StagedWriter
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -300,9 +301,10 @@ def _walk_into(dir_fd: int, prefix: str, out: dict[str, os.stat_result], depth: 
 
 
 class LocalOutput(OutputFile):
-    """A temp file ``.<name>.tmp-<12 hex>`` beside the final name, in a directory held open by fd."""
+    """A temp file ``.<name>.tmp-<12 hex>`` beside the final name, in a directory held open by fd; written
+    through a staging buffer, around the page cache when ``direct`` (storage/direct.py)."""
 
-    def __init__(self, dir_fd: int, name: str, rel: str) -> None:
+    def __init__(self, dir_fd: int, name: str, rel: str, *, direct: bool = True) -> None:
         self._dir_fd: int | None = dir_fd  # owned: closed on commit or abort
         self._name = name
         self._rel = rel
@@ -313,20 +315,19 @@ class LocalOutput(OutputFile):
             os.close(dir_fd)
             self._dir_fd = None
             raise
+        self._staged = StagedWriter(self._fd, direct=direct)
 
     def write(self, data: bytes | memoryview) -> None:
         assert self._fd is not None, "write after commit/abort"
-        view = memoryview(data).cast("B")
         try:
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+            self._staged.write(memoryview(data).cast("B"))
         except OSError as exc:
             self.abort()
             raise StorageError(f"write failed: {exc}", path=self._rel) from exc
 
     def _sync_and_close(self) -> None:
         assert self._fd is not None, "commit after commit/abort"
+        self._staged.finish()
         # An fsync error is final: a retried fsync may report success with the data lost.
         os.fsync(self._fd)
         os.close(self._fd)
@@ -357,6 +358,7 @@ class LocalOutput(OutputFile):
             self.abort()  # drops the temp name; the linked file stays
 
     def abort(self) -> None:
+        self._staged.release()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -374,7 +376,10 @@ class LocalOutput(OutputFile):
 
 
 class LocalStore(Store):
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    """``direct_io``: write data files around the page cache where the filesystem allows (storage/direct.py)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True) -> None:
+        self.direct_io = direct_io
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.url = str(self.root)
         self.capabilities = Capabilities(exclusive_create=True, local=True)
@@ -389,7 +394,7 @@ class LocalStore(Store):
     def create(self, path: str) -> OutputFile:
         dir_fd, name = walk_to_parent(self.url, path, create=True)  # LocalOutput owns (and closes) dir_fd
         try:
-            return LocalOutput(dir_fd, name, path)
+            return LocalOutput(dir_fd, name, path, direct=self.direct_io)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError("a symlink is in the way of the temp file", path=path) from exc

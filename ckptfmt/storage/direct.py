@@ -1,0 +1,138 @@
+"""Writing a file around the page cache (``O_DIRECT``) through a reused, page-aligned staging buffer.
+
+A checkpoint's bytes are written once and not read back by the writer, so passing them through the
+page cache buys nothing and costs: a copy into freshly allocated cache pages (on a virtual machine
+whose host backs guest memory lazily, that copy ran at 0.4 GB/s here, against 1.7 GB/s for the disk),
+a dirty-page flush at ``fsync``, and a training node's dataset cache evicted by bytes nobody reads.
+
+Bytes are copied into an aligned buffer and written from it in whole buffers with ``O_DIRECT``; the
+last partial block goes through the page cache (``O_DIRECT`` cleared), and ``fsync`` then makes the
+file durable as before. A file smaller than one buffer never turns ``O_DIRECT`` on. Where the
+filesystem refuses ``O_DIRECT`` (``EINVAL``), the file is written through the page cache instead.
+
+Memory: one ``BUFFER_BYTES`` buffer per file being written, taken from a pool that keeps at most
+``POOL_IDLE`` of them between files (reused pages: no page faults on the next save).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
+ALIGN = 4096  # buffer address, write length and file offset: a multiple of every logical block size in use
+BUFFER_BYTES = 8 << 20
+POOL_IDLE = 4
+
+
+class _BufferPool:
+    def __init__(self) -> None:
+        self._idle: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return mmap.mmap(-1, BUFFER_BYTES)  # anonymous mappings are page-aligned
+
+    def give(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._idle) < POOL_IDLE:
+                self._idle.append(buffer)
+                return
+        buffer.close()
+
+
+_POOL = _BufferPool()
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+class StagedWriter:
+    """The bytes written to ``fd`` (opened for writing at offset 0), staged and flushed as described above."""
+
+    def __init__(self, fd: int, *, direct: bool) -> None:
+        self._fd = fd
+        self._allow_direct = direct and bool(O_DIRECT)
+        self._direct = False
+        self._buffer: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._fill = 0
+
+    def write(self, data: memoryview) -> None:
+        if self._view is None:
+            self._buffer = _POOL.take()
+            self._view = memoryview(self._buffer)
+        while data:
+            n = min(len(data), BUFFER_BYTES - self._fill)
+            self._view[self._fill : self._fill + n] = data[:n]
+            self._fill += n
+            data = data[n:]
+            if self._fill == BUFFER_BYTES:
+                self._flush_full()
+
+    def finish(self) -> None:
+        """Write what is staged; the file then holds every byte written (not yet fsynced)."""
+        if self._view is None:
+            return
+        view, fill = self._view, self._fill
+        aligned = fill - fill % ALIGN if self._direct else 0
+        if aligned:
+            self._write_direct(view[:aligned])
+        if self._direct:
+            self._set_direct(False)
+        write_all(self._fd, view[aligned:fill])
+        self._fill = 0
+        self.release()
+
+    def release(self) -> None:
+        """Return the staging buffer to the pool (idempotent; also on abort)."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._buffer is not None:
+            _POOL.give(self._buffer)
+            self._buffer = None
+
+    def _flush_full(self) -> None:
+        assert self._view is not None
+        if self._allow_direct and not self._direct:
+            self._direct = self._set_direct(True)
+            self._allow_direct = self._direct
+        if self._direct:
+            self._write_direct(self._view)
+        else:
+            write_all(self._fd, self._view)
+        self._fill = 0
+
+    def _write_direct(self, data: memoryview) -> None:
+        while data:
+            try:
+                data = data[os.write(self._fd, data) :]
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self._direct:
+                    raise
+                # A filesystem that took the flag but not the write: the rest goes through the page cache.
+                self._set_direct(False)
+                self._allow_direct = False
+
+    def _set_direct(self, on: bool) -> bool:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))
+        except OSError:
+            if on:
+                return False  # not supported here: stay on the page cache
+            raise
+        self._direct = on
+        return on
+
+
+__all__ = ["ALIGN", "BUFFER_BYTES", "O_DIRECT", "StagedWriter"]
