@@ -66,6 +66,20 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
+def _compress_planes(cctx: zstandard.ZstdCompressor, planes: memoryview, itemsize: int) -> bytes:
+    """One zstd frame of ``planes``, its blocks ending at each plane's end: a block then never mixes the
+    exponent plane with a mantissa plane, so each gets a Huffman table of its own (all-MiniLM-L6-v2: 0.665
+    of raw in bf16 and 0.819 in fp32, against 0.668 / 0.821 letting blocks straddle planes)."""
+    size = len(planes) // itemsize
+    cobj = cctx.compressobj(size=len(planes))
+    parts = []
+    for k in range(itemsize):
+        parts.append(cobj.compress(planes[k * size : (k + 1) * size]))
+        parts.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    parts.append(cobj.flush())
+    return b"".join(parts)
+
+
 def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "decompressor"):
         _local.decompressor = zstandard.ZstdDecompressor()
@@ -120,9 +134,12 @@ class ZstdCodec:
         sizes: list[int] = []
         for lo in range(0, len(data), frame):
             piece = data[lo : lo + frame]
-            compressed = cctx.compress(group_bytes(piece, itemsize, sign_last=self.sign_last) if group else piece)
-            stored += compressed
-            sizes.append(len(compressed))
+            before = len(stored)
+            if group:
+                stored += _compress_planes(cctx, group_bytes(piece, itemsize, sign_last=self.sign_last), itemsize)
+            else:
+                stored += cctx.compress(piece)
+            sizes.append(len(stored) - before)
         config: dict[str, object] = {"bytegroup": group, "frame_bytes": frame, "frames": sizes}
         if group and self.sign_last:
             config["sign_last"] = True
