@@ -4,9 +4,12 @@
 
 Starts moto's S3 server on 127.0.0.1 itself (tests/s3_server.py), so it needs nothing but the test
 extras. The same bytes go both ways: ckptfmt writes --size-mib of float32 tensors into --files data
-files (multipart uploads in 64 MiB parts, two files at a time) and commits; s3fs uploads blobs of the
-same sizes with one ``fs.pipe({path: bytes})`` (all files at once). Reads: ckptfmt ``read_tensors`` of
-every tensor (ranged GETs, four in flight) against ``fs.cat([paths])`` (all files at once) and
+files (two files at a time; a file of more than one 16 MiB part is a multipart upload with up to four
+parts in flight, a smaller one a single PUT) and commits; s3fs uploads blobs of the same sizes with one
+``fs.pipe({path: bytes})`` (all files at once; a single PUT each below 100 MiB). Reads: ckptfmt
+``read_tensors`` of every tensor (after a size and header check of each data file; neighbouring chunks
+of a file share one ranged GET, cut into 64 MiB pieces, four files at a time) against
+``fs.cat([paths])`` (all files at once) and
 ``fs.cat_file`` one file after another, and ``fs.cat_file(start=, end=)`` of the same byte ranges
 ckptfmt reads, one after another (moto serves a ranged GET by reading the whole object, so ranged
 reads are slower there than whole files; on S3 they are not). Reported: MB/s, median of --repeat runs, and the ratio

@@ -96,13 +96,17 @@ class MotoServer:
 
 @dataclass
 class CountingProxy:
-    """Forwards 127.0.0.1:port to the target, counting bytes each way."""
+    """Forwards 127.0.0.1:port to the target, counting bytes each way, and requests in flight: a
+    connection is busy from a request's first byte upstream to its answer's first byte back (HTTP/1.1
+    without pipelining), so ``max_busy`` is the most requests the client had in flight at once."""
 
     target_port: int
     port: int = field(default_factory=free_port)
     sent_to_server: int = 0
     cut_after: int | None = None  # cut the network once this many bytes went upstream
     received_from_server: int = 0
+    busy: int = 0
+    max_busy: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _cut: threading.Event = field(default_factory=threading.Event)
@@ -133,8 +137,9 @@ class CountingProxy:
     def reset(self) -> None:
         with self._lock:
             self.sent_to_server = self.received_from_server = 0
+            self.max_busy = self.busy
 
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, busy: list[bool]) -> None:
         clean = False
         try:
             while True:
@@ -148,6 +153,10 @@ class CountingProxy:
                         self.sent_to_server += len(data)
                     else:
                         self.received_from_server += len(data)
+                    if busy[0] != upstream:  # a request starts, or its answer arrives
+                        busy[0] = upstream
+                        self.busy += 1 if upstream else -1
+                        self.max_busy = max(self.max_busy, self.busy)
                     trip = upstream and self.cut_after is not None and self.sent_to_server >= self.cut_after
                 if trip:
                     self.cut_after = None
@@ -156,6 +165,10 @@ class CountingProxy:
                 dst.sendall(data)
         except OSError:
             pass
+        with self._lock:
+            if busy[0]:  # the connection ends with a request unanswered
+                busy[0] = False
+                self.busy -= 1
         if clean:  # an orderly close travels on as one
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
@@ -187,8 +200,9 @@ class CountingProxy:
                 continue
             with self._lock:
                 self._sockets.extend((client, server))
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+            busy = [False]  # shared by the connection's two directions
+            threading.Thread(target=self._pump, args=(client, server, True, busy), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False, busy), daemon=True).start()
         listener.close()
 
     @contextlib.contextmanager

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import builtins
+import itertools
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError
 from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
+from .multipart import MultipartOutput
 
 # Filesystems whose writes become visible only when complete (multipart upload), so a failed write
 # can be discarded without ever appearing under the final name.
 _ATOMIC_PUT = {"s3", "s3a", "gcs", "gs", "abfs", "az"}
-PART_SIZE = 64 << 20
+PART_SIZE = 16 << 20  # multipart part size (s3fs: several in flight, storage/multipart.py; others: one)
+READ_PIECE = 64 << 20  # the largest ranged GET: longer runs of neighbouring ranges are split, fetched together
 
 
 def lost_create_race(exc: BaseException) -> bool:
@@ -121,6 +124,24 @@ class RenameOutput(OutputFile):
             pass
 
 
+def plan_gets(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranged GETs that fetch sorted ``[begin, end)`` ranges: neighbouring (or overlapping) ranges share
+    one GET, since every request costs a round trip; a run longer than ``READ_PIECE`` is cut into equal
+    pieces fetched concurrently, since one stream of an object store is slower than several."""
+    runs: list[tuple[int, int]] = []
+    for begin, end in ranges:
+        if runs and begin <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(end, runs[-1][1]))
+        else:
+            runs.append((begin, end))
+    gets: list[tuple[int, int]] = []
+    for begin, end in runs:
+        pieces = -(-(end - begin) // READ_PIECE)
+        bounds = [begin + (end - begin) * i // pieces for i in range(pieces + 1)]
+        gets.extend(itertools.pairwise(bounds))
+    return gets
+
+
 class FsspecStore(Store):
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
@@ -128,6 +149,8 @@ class FsspecStore(Store):
         self.url = url
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.capabilities = Capabilities(exclusive_create=bool(_ATOMIC_PUT.intersection(protocols)), local=False)
+        # s3fs: uploads with parts in flight, through its client (its S3File sends one part at a time)
+        self._s3_client = "s3" in protocols and hasattr(fs, "_call_s3")
 
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}"
@@ -145,6 +168,8 @@ class FsspecStore(Store):
     def create(self, path: str) -> OutputFile:
         full = self._full(path)
         try:
+            if self._s3_client:
+                return MultipartOutput(self.fs, full, path, part_bytes=PART_SIZE)
             if self.capabilities.exclusive_create:  # uploads appear whole: no temporary name needed
                 return DirectOutput(self.fs, full, path)
             return RenameOutput(self.fs, full, path)
@@ -190,21 +215,34 @@ class FsspecStore(Store):
         view[:] = data
 
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
-        todo = [(begin, out.cast("B") if out.format != "B" else out) for begin, out in requests if len(out)]
+        todo = sorted(
+            ((begin, out.cast("B") if out.format != "B" else out) for begin, out in requests if len(out)),
+            key=lambda r: r[0],
+        )
         if not todo:
             return
-        full = self._full(path)
+        gets = plan_gets([(begin, begin + len(view)) for begin, view in todo])
         try:
-            # fsspec sends the ranges together (concurrently on async backends such as s3fs)
-            blobs = self.fs.cat_ranges([full] * len(todo), [b for b, _ in todo], [b + len(v) for b, v in todo])
+            # one call: fsspec sends the GETs together (concurrently on async backends such as s3fs)
+            blobs = self.fs.cat_ranges([self._full(path)] * len(gets), [g[0] for g in gets], [g[1] for g in gets])
         except Exception as exc:
             raise self._wrap(exc, path, "ranged read") from exc
-        for (begin, view), data in zip(todo, blobs, strict=True):
+        for (start, end), data in zip(gets, blobs, strict=True):
             if isinstance(data, Exception):
                 raise self._wrap(data, path, "ranged read") from data
-            if len(data) != len(view):
-                raise SizeMismatchError(f"file ends before byte {begin + len(view)}", path=path)
-            view[:] = data
+            if len(data) != end - start:
+                raise SizeMismatchError(f"file ends before byte {end}", path=path)
+        index = 0
+        for begin, view in todo:  # each byte copied once, from the GET (or GETs) that covered it
+            while gets[index][1] <= begin:
+                index += 1
+            at, piece = begin, index
+            while at < begin + len(view):
+                start, end = gets[piece]
+                take = min(end, begin + len(view)) - at
+                view[at - begin : at - begin + take] = memoryview(blobs[piece])[at - start : at - start + take]
+                at += take
+                piece += 1
 
     def size(self, path: str) -> int:
         try:
