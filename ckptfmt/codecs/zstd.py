@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -28,6 +29,7 @@ from . import Encoded, FrameSpan
 
 NAME = "zstd"
 FRAME_BYTES = 4 << 20  # raw bytes per frame: the granularity of random access
+_BLOCK = 128 << 10  # bytes (re)grouped at a time: three scratch blocks stay in a core's L2 cache
 MIN_COMPRESS_BYTES = 4096  # smaller chunks stay raw: a frame header and checksum would eat the gain
 MAX_FRAMES = 1 << 24
 _FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
@@ -87,36 +89,68 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def group_bytes(data: memoryview, itemsize: int, *, sign_last: bool = False) -> memoryview:
+def _scratch(name: str, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A per-thread buffer reused from frame to frame: a fresh multi-MiB array per frame is a fresh mmap
+    whose every page faults in (on a VM whose host backs memory lazily, slower than compressing it)."""
+    buffers: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = _local.__dict__.setdefault("scratch", {})
+    buffer = buffers.get(name)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = buffers[name] = np.empty(max(nbytes, FRAME_BYTES), dtype=np.uint8)
+    return buffer[:nbytes]
+
+
+def group_bytes(data: memoryview, itemsize: int, *, sign_last: bool = False, reuse: bool = False) -> memoryview:
     """Byte planes of ``data``: the most significant byte of every (little-endian) element first;
-    with ``sign_last``, of the elements rotated left by one bit."""
-    if sign_last:
-        elements = np.frombuffer(data, dtype=f"<u{itemsize}")
-        data = ((elements << 1) | (elements >> (8 * itemsize - 1))).data.cast("B")
-    if itemsize == 1:
+    with ``sign_last``, of the elements rotated left by one bit. With ``reuse`` the result lives in
+    this thread's scratch space, valid until its next call."""
+    n = len(data)
+    if itemsize == 1 and not sign_last:
         return data
-    rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
-    return np.ascontiguousarray(rows[:, ::-1].T).data.cast("B")
+    planes = (_scratch("planes", n) if reuse else np.empty(n, dtype=np.uint8)).reshape(itemsize, -1)
+    elements = np.frombuffer(data, dtype=f"<u{itemsize}")
+    step = _BLOCK // itemsize
+    for lo in range(0, len(elements), step):  # a block at a time, so every pass below runs in cache
+        block = elements[lo : lo + step]
+        if sign_last:  # whole elements (contiguous, vectorized), not bytes (strided)
+            rotated = _scratch("rotated", _BLOCK).view(f"<u{itemsize}")[: len(block)]
+            sign = _scratch("sign", _BLOCK).view(f"<u{itemsize}")[: len(block)]
+            np.left_shift(block, 1, out=rotated)
+            np.right_shift(block, 8 * itemsize - 1, out=sign)
+            rotated |= sign
+            block = rotated
+        rows = block.view(np.uint8).reshape(-1, itemsize)
+        for k in range(itemsize):
+            planes[k, lo : lo + len(block)] = rows[:, itemsize - 1 - k]
+    return planes.data.cast("B")
 
 
 def ungroup_bytes(planes: bytes, itemsize: int, out: memoryview, *, sign_last: bool = False) -> None:
     """Inverse of :func:`group_bytes`, written straight into ``out``."""
-    if itemsize == 1:
-        out[:] = planes
-    else:
-        target = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-        target[:, ::-1] = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1).T
-    if sign_last:
-        rotate_right(out, itemsize)
+    source = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1)
+    elements = np.frombuffer(out, dtype=f"<u{itemsize}")
+    step = _BLOCK // itemsize
+    for lo in range(0, len(elements), step):
+        block = elements[lo : lo + step]
+        rows = block.view(np.uint8).reshape(-1, itemsize)
+        for k in range(itemsize):
+            rows[:, itemsize - 1 - k] = source[k, lo : lo + len(block)]
+        if sign_last:
+            _rotate_right(block, itemsize)
 
 
 def rotate_right(out: memoryview, itemsize: int) -> None:
     """Rotate each (little-endian) element of ``out`` right by one bit, in place: undoes ``sign_last``."""
     elements = np.frombuffer(out, dtype=f"<u{itemsize}")
-    low = elements & 1
-    elements >>= 1
-    low <<= 8 * itemsize - 1
-    elements |= low
+    step = _BLOCK // itemsize
+    for lo in range(0, len(elements), step):
+        _rotate_right(elements[lo : lo + step], itemsize)
+
+
+def _rotate_right(block: np.ndarray[Any, Any], itemsize: int) -> None:
+    sign = _scratch("sign", _BLOCK).view(f"<u{itemsize}")[: len(block)]
+    np.left_shift(block, 8 * itemsize - 1, out=sign)
+    block >>= 1
+    block |= sign
 
 
 class ZstdCodec:
@@ -136,7 +170,8 @@ class ZstdCodec:
             piece = data[lo : lo + frame]
             before = len(stored)
             if group:
-                stored += _compress_planes(cctx, group_bytes(piece, itemsize, sign_last=self.sign_last), itemsize)
+                planes = group_bytes(piece, itemsize, sign_last=self.sign_last, reuse=True)
+                stored += _compress_planes(cctx, planes, itemsize)
             else:
                 stored += cctx.compress(piece)
             sizes.append(len(stored) - before)
