@@ -3,16 +3,19 @@
     python bench/s3_throughput.py [--size-mib 256] [--files 8] [--repeat 3] [--json out.json]
 
 Starts moto's S3 server on 127.0.0.1 itself (tests/s3_server.py), so it needs nothing but the test
-extras. The same bytes go both ways: ckptfmt writes --size-mib of float32 tensors into --files data
-files (two files at a time; a file of more than one 16 MiB part is a multipart upload with up to four
-parts in flight, a smaller one a single PUT) and commits; s3fs uploads blobs of the same sizes with one
-``fs.pipe({path: bytes})`` (all files at once; a single PUT each below 100 MiB). Reads: ckptfmt
-``read_tensors`` of every tensor (after a size and header check of each data file; neighbouring chunks
-of a file share one ranged GET, cut into 64 MiB pieces, four files at a time) against
-``fs.cat([paths])`` (all files at once) and
-``fs.cat_file`` one file after another, and ``fs.cat_file(start=, end=)`` of the same byte ranges
-ckptfmt reads, one after another (moto serves a ranged GET by reading the whole object, so ranged
-reads are slower there than whole files; on S3 they are not). Reported: MB/s, median of --repeat runs, and the ratio
+extras. The same bytes go both ways, and both ratios come from the same run against the same server.
+
+Upload: ckptfmt writes --size-mib of float32 tensors into --files data files (two files at a time; a
+file of more than one 16 MiB part is a multipart upload with up to four parts in flight, a smaller one
+a single PUT) and commits; s3fs uploads blobs of the same sizes with one ``fs.pipe({path: bytes})``
+(all files at once; a single PUT each below 100 MiB).
+
+Download: ckptfmt opens the checkpoint and ``read_tensors`` every tensor (each data file's size and
+header checked first; the neighbouring chunks of a file share one ranged GET, cut into 64 MiB pieces,
+streamed into the arrays; four files at a time) against ``fs.cat([paths])`` (all files at once),
+``fs.cat_file`` one file after another, and ``fs.cat_file(start=, end=)`` of each chunk's byte range,
+one after another (moto serves any GET by reading the whole object, so many ranged reads are slower
+there than whole files; on S3 they are not). Reported: MB/s, median of --repeat runs, and the ratio
 ckptfmt/s3fs (>1 means ckptfmt is faster).
 
 Then, through a byte-counting TCP proxy in front of the server: the bytes received for opening the

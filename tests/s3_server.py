@@ -98,13 +98,14 @@ class MotoServer:
 class CountingProxy:
     """Forwards 127.0.0.1:port to the target, counting bytes each way, and requests in flight: a
     connection is busy from a request's first byte upstream to its answer's first byte back (HTTP/1.1
-    without pipelining), so ``max_busy`` is the most requests the client had in flight at once."""
+    without pipelining), so ``requests`` counts requests and ``max_busy`` is the most in flight at once."""
 
     target_port: int
     port: int = field(default_factory=free_port)
     sent_to_server: int = 0
     cut_after: int | None = None  # cut the network once this many bytes went upstream
     received_from_server: int = 0
+    requests: int = 0
     busy: int = 0
     max_busy: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -136,7 +137,7 @@ class CountingProxy:
 
     def reset(self) -> None:
         with self._lock:
-            self.sent_to_server = self.received_from_server = 0
+            self.sent_to_server = self.received_from_server = self.requests = 0
             self.max_busy = self.busy
 
     def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, busy: list[bool]) -> None:
@@ -156,6 +157,7 @@ class CountingProxy:
                     if busy[0] != upstream:  # a request starts, or its answer arrives
                         busy[0] = upstream
                         self.busy += 1 if upstream else -1
+                        self.requests += upstream
                         self.max_busy = max(self.max_busy, self.busy)
                     trip = upstream and self.cut_after is not None and self.sent_to_server >= self.cut_after
                 if trip:

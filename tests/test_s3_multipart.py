@@ -138,3 +138,24 @@ def test_part_sizes_fit_s3_limits_within_the_memory_bound() -> None:
         # the parts uploading and the one being filled stay within the stated bound (80 MiB a file)
         assert (multipart.parts_in_flight(size, base) + 1) * size <= multipart.BUFFER_PARTS * base
     assert multipart.parts_in_flight(base, base) == 4
+
+
+def test_ranged_reads_share_gets_and_land_byte_exact(moto_server: MotoServer, bucket: str) -> None:
+    data = os.urandom(MiB)
+    store = open_store(f"s3://{bucket}/ck", moto_server.storage_options())
+    store.put_exclusive(PATH, data)
+    spans = [(0, 100), (100, 300), (300, 301), (5000, 9000)]
+    with CountingProxy(moto_server.port).running() as proxy:
+        proxied = open_store(f"s3://{bucket}/ck", moto_server.storage_options(proxy.endpoint))
+        outs = [bytearray(end - begin) for begin, end in spans]
+        proxy.reset()
+        proxied.read_ranges(PATH, [(b, memoryview(o)) for (b, _), o in zip(spans, outs, strict=True)])
+        moved, requests = proxy.received_from_server, proxy.requests
+    assert [bytes(o) for o in outs] == [data[b:e] for b, e in spans]
+    assert requests == 2  # the three neighbouring ranges share one GET
+    assert moved < 301 + 4000 + 4096  # the bytes asked for, and headers
+    overlapping = [bytearray(200), bytearray(200)]
+    store.read_ranges(PATH, [(0, memoryview(overlapping[0])), (100, memoryview(overlapping[1]))])
+    assert [bytes(o) for o in overlapping] == [data[:200], data[100:300]]
+    with pytest.raises(ckptfmt.SizeMismatchError, match="ends before"):
+        store.read_ranges(PATH, [(0, memoryview(bytearray(10))), (MiB - 10, memoryview(bytearray(20)))])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import itertools
 import secrets
@@ -142,6 +143,61 @@ def plan_gets(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return gets
 
 
+Fill = list[tuple[int, memoryview]]  # (offset in a GET, destination) pieces, in order
+
+
+def _fills(gets: Sequence[tuple[int, int]], todo: Sequence[tuple[int, memoryview]]) -> list[Fill]:
+    """For each GET, the ``(offset in the GET, destination)`` pieces its bytes fill, in order."""
+    fills: list[Fill] = [[] for _ in gets]
+    index = 0
+    for begin, view in todo:
+        while gets[index][1] <= begin:
+            index += 1
+        at, piece = begin, index
+        while at < begin + len(view):
+            start, end = gets[piece]
+            take = min(end, begin + len(view)) - at
+            fills[piece].append((at - start, view[at - begin : at - begin + take]))
+            at += take
+            piece += 1
+    return fills
+
+
+async def _stream_gets(fs: Any, full: str, gets: Sequence[tuple[int, int]], fills: Sequence[Fill]) -> None:
+    """s3fs: send every GET at once, each streaming its body straight into its destinations (which tile it),
+    so no whole-range ``bytes`` is built and copied again. A GET whose stream breaks resumes where it
+    stopped (up to ``fs.retries`` times); one that ends early raises EOFError(the byte it should reach)."""
+    bucket, key, _ = fs.split_path(full)
+
+    async def get(start: int, end: int, fill: Fill) -> None:
+        at, attempts = start, 0
+        while at < end:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={at}-{end - 1}", **fs.req_kw)
+            body = resp["Body"]
+            try:
+                for offset, view in fill:
+                    filled = max(at - start - offset, 0)  # destinations filled before a resumed GET are skipped
+                    while filled < len(view):
+                        got = await body.readinto(view[filled:])
+                        if not got:
+                            raise EOFError(end)
+                        filled += got
+                        at += got
+            except EOFError:
+                raise
+            except Exception:
+                attempts += 1
+                if attempts >= fs.retries:
+                    raise
+            finally:
+                body.close()
+
+    tasks = [get(start, end, fill) for (start, end), fill in zip(gets, fills, strict=True)]
+    for result in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
+
+
 class FsspecStore(Store):
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
@@ -222,27 +278,27 @@ class FsspecStore(Store):
         if not todo:
             return
         gets = plan_gets([(begin, begin + len(view)) for begin, view in todo])
+        fills = _fills(gets, todo)
+        disjoint = all(b0 + len(v0) <= b1 for (b0, v0), (b1, _) in itertools.pairwise(todo))
         try:
-            # one call: fsspec sends the GETs together (concurrently on async backends such as s3fs)
+            if self._s3_client and disjoint:
+                from fsspec.asyn import sync
+
+                sync(self.fs.loop, _stream_gets, self.fs, self._full(path), gets, fills)
+                return
+            # one call: fsspec sends the GETs together (concurrently on async backends)
             blobs = self.fs.cat_ranges([self._full(path)] * len(gets), [g[0] for g in gets], [g[1] for g in gets])
+        except EOFError as exc:
+            raise SizeMismatchError(f"file ends before byte {exc.args[0]}", path=path) from exc
         except Exception as exc:
             raise self._wrap(exc, path, "ranged read") from exc
-        for (start, end), data in zip(gets, blobs, strict=True):
+        for (start, end), data, fill in zip(gets, blobs, fills, strict=True):
             if isinstance(data, Exception):
                 raise self._wrap(data, path, "ranged read") from data
             if len(data) != end - start:
                 raise SizeMismatchError(f"file ends before byte {end}", path=path)
-        index = 0
-        for begin, view in todo:  # each byte copied once, from the GET (or GETs) that covered it
-            while gets[index][1] <= begin:
-                index += 1
-            at, piece = begin, index
-            while at < begin + len(view):
-                start, end = gets[piece]
-                take = min(end, begin + len(view)) - at
-                view[at - begin : at - begin + take] = memoryview(blobs[piece])[at - start : at - start + take]
-                at += take
-                piece += 1
+            for offset, view in fill:
+                view[:] = memoryview(data)[offset : offset + len(view)]
 
     def size(self, path: str) -> int:
         try:
