@@ -26,6 +26,7 @@ this interpreter): it checks that every path runs, not how fast.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -212,12 +213,31 @@ def _reset_peak() -> int:
 # ----------------------------------------------------------------------------- the run (parent)
 
 
+def warm_memory(nbytes: int) -> None:
+    """Write and free ``nbytes`` of memory, so the next process's first touches land on pages the hypervisor
+    already backs. On a VM whose host backs guest memory lazily (this CI machine), a first touch of
+    a page the host reclaimed costs up to ten times a normal page fault (1 GiB: 0.12 s warm, 0.4-1.5 s
+    cold, in fresh processes), which otherwise decides which loader or saver "wins" by the order
+    they ran in. Bare-metal training nodes have no such cost."""
+    if nbytes > 0:
+        block = np.ones(nbytes, dtype=np.uint8)
+        del block
+
+
 def run_child(
-    op: str, state: str, size: int, path: Path, in_process: dict[str, np.ndarray[Any, Any]] | None = None
+    op: str,
+    state: str,
+    size: int,
+    path: Path,
+    in_process: dict[str, np.ndarray[Any, Any]] | None = None,
+    *,
+    warm: int = 0,
 ) -> dict[str, float]:
-    """One measurement in a fresh interpreter; with ``in_process`` (the state, --quick) in this one."""
+    """One measurement in a fresh interpreter (after warming ``warm`` bytes of memory); with ``in_process``
+    (the state, --quick) in this one."""
     if in_process is not None:
         return measure(op, state, size, path, in_process)
+    warm_memory(warm)
     cmd = [sys.executable, __file__, "--child", op, "--state", state, "--size", str(size), "--path", str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -227,17 +247,35 @@ def run_child(
 
 
 def disk_speed(base: Path, size: int) -> tuple[float, float]:
-    """Write ``size`` bytes with fsync, then read them back (cold when the cache can be dropped): bytes/s."""
-    block = np.random.default_rng(1).bytes(min(size, 64 * MiB))
+    """The disk's own speed: ``size`` bytes written from one page-aligned 64 MiB buffer around the page cache
+    (``O_DIRECT`` where the filesystem takes it, else buffered) and fsynced, then read back in 64 MiB reads
+    (cold when the cache can be dropped): bytes/s."""
+    import mmap
+
+    chunk = min(size, 64 * MiB)
+    buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
+    buffer.write(np.random.default_rng(1).bytes(chunk))
+    view = memoryview(buffer)
     path = base / "disk.bin"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     started = time.perf_counter()
-    with open(path, "wb") as f:
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:
+        fd = os.open(path, flags, 0o644)
+    try:
         written = 0
         while written < size:
-            written += f.write(block[: size - written])
-        f.flush()
-        os.fsync(f.fileno())
+            n = min(chunk, size - written)
+            if n % 4096:  # a tail O_DIRECT cannot take
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
+            written += os.write(fd, view[:n])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     write = size / (time.perf_counter() - started)
+    view.release()
+    buffer.close()
     drop_caches()
     started = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -325,6 +363,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a safetensors file of real weights for the size table")
     parser.add_argument("--json", default=None, help="also write every figure here")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 MiB, one repetition, warm cache")
+    parser.add_argument(
+        "--cold-memory",
+        action="store_true",
+        help="do not warm memory before each measurement (see warm_memory: on a VM, order then decides)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--state", default="fp32-adam", help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -341,7 +384,9 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="compare-", dir=args.dir or out_root))
     cold = False if args.quick else drop_caches()
     results: dict[str, dict[str, list[dict[str, float]]]] = {s: {} for s in STATES}
-    report: dict[str, Any] = {"size": size, "repeat": repeat, "cold_cache": cold}
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    warm = 0 if args.quick or args.cold_memory else min(4 * size, available // 2)
+    report: dict[str, Any] = {"size": size, "repeat": repeat, "cold_cache": cold, "warmed_bytes": warm}
     try:
         write_bps, read_bps = disk_speed(base, min(size, 256 * MiB) if args.quick else size)
         report["disk"] = {"write_MBps": write_bps / 1e6, "read_MBps": read_bps / 1e6}
@@ -359,7 +404,7 @@ def main() -> None:
                     target = base / state / f"{op}-{r}"
                     target.parent.mkdir(parents=True, exist_ok=True)
                     (target.parent / "shapes.json").write_text(json.dumps(shapes))
-                    results[state].setdefault(op, []).append(run_child(op, state, size, target, inline))
+                    results[state].setdefault(op, []).append(run_child(op, state, size, target, inline, warm=warm))
                     if op == "ckptfmt-zstd":
                         stored = tree_size(target)
                 source = {
@@ -374,13 +419,13 @@ def main() -> None:
                     if cold:
                         drop_caches()
                     results[state].setdefault(op, []).append(
-                        run_child(op, state, size, base / state / f"{source[op]}-{r}", inline)
+                        run_child(op, state, size, base / state / f"{source[op]}-{r}", inline, warm=warm)
                     )
                 for op in ("verify", "cat") if r % 2 == 0 else ("cat", "verify"):
                     if cold:
                         drop_caches()
                     results[state].setdefault(op, []).append(
-                        run_child(op, state, size, base / state / f"ckptfmt-raw-{r}", inline)
+                        run_child(op, state, size, base / state / f"ckptfmt-raw-{r}", inline, warm=warm)
                     )
                 for op in SAVES:
                     shutil.rmtree(base / state / f"{op}-{r}", ignore_errors=True)
@@ -412,6 +457,7 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"state size {size / MiB:.0f} MiB, median of {report['repeat']}, "
         f"{'cold' if report['cold_cache'] else 'warm'} cache; "
+        f"{report.get('warmed_bytes', 0) / MiB:.0f} MiB of memory warmed before each measurement; "
         f"disk: write+fsync {disk['write_MBps']:.0f} MB/s, read {disk['read_MBps']:.0f} MB/s"
     )
     peers = {"save": "safetensors", "load": "safetensors.load_file", "verify": "cat"}
