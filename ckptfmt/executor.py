@@ -234,20 +234,31 @@ def coalesce(reads: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
     return runs
 
 
-def fetch_runs(store: Store, runs: Sequence[Sequence[ChunkRead]], *, verify: bool) -> int:
+def fetch_runs(
+    store: Store,
+    runs: Sequence[Sequence[ChunkRead]],
+    *,
+    verify: bool,
+    prefix: Sequence[tuple[int, memoryview]] = (),
+    check: Callable[[], None] | None = None,
+) -> int:
     """Fetch coalesced runs of one file with one ``read_ranges`` call, then check each chunk's digest.
 
     A lone chunk lands straight in its destination; a run of several shares one bounded staging buffer.
-    Returns the number of bytes fetched.
+    ``prefix`` ranges (a file's header) are fetched in the same call and ``check`` runs before any chunk
+    is checked or decoded. Returns the number of tensor bytes fetched.
     """
     views: list[memoryview] = []
     for run in runs:
         views.append(run[0].out if len(run) == 1 else memoryview(bytearray(run[-1].end - run[0].begin)))
     try:
-        store.read_ranges(runs[0][0].chunk.path, [(run[0].begin, v) for run, v in zip(runs, views, strict=True)])
+        requests = [(run[0].begin, v) for run, v in zip(runs, views, strict=True)]
+        store.read_ranges(runs[0][0].chunk.path, [*prefix, *requests])
     except CheckpointError as exc:
         exc.locate(field=runs[0][0].field, tensor=runs[0][0].tensor)
         raise
+    if check is not None:
+        check()
     for run, view in zip(runs, views, strict=True):
         base = run[0].begin
         for read in run:

@@ -7,6 +7,7 @@ verify each chunk's digest over exactly the bytes read.
 
 from __future__ import annotations
 
+import functools
 import mmap as mmap_module
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -252,7 +253,21 @@ class Checkpoint:
         by_file: dict[str, list[ChunkRead]] = {}
         for read in reads:
             by_file.setdefault(read.chunk.path, []).append(read)
+        ahead: dict[str, bytearray] = {}
+        if not self.store.capabilities.local:
+            # Object stores: a file's header is fetched with its first run of chunks (the two are adjacent:
+            # one request, not two) and checked before any chunk of that request is; sizes are checked
+            # first, concurrently (a round trip each). Errors keep the order of the serial checks.
+            unchecked = [p for p in sorted(by_file) if p not in self._files_checked]
+            with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptfmt-check") as pool:
+                sizes = list(pool.map(self._try_check_size, unchecked))
+            for path, size in zip(unchecked, sizes, strict=True):
+                if size is None:
+                    break  # the serial check below raises that file's error
+                ahead[path] = bytearray(self.header_span(path, size))
         for path, file_reads in sorted(by_file.items()):
+            if path in ahead:
+                continue
             try:
                 self._check_data_file(path)
             except CheckpointError as exc:
@@ -265,13 +280,33 @@ class Checkpoint:
             for path in sorted(by_file)
             for group in split_runs(coalesce(by_file[path]), workers if len(by_file) < workers else 1)
         ]
-        if workers <= 1 or len(groups) <= 1:
-            for group in groups:
-                self.bytes_read += fetch_runs(self.store, group, verify=verify)
+        jobs = []
+        for group in groups:
+            path = group[0][0].chunk.path
+            head = ahead.pop(path, None)  # the file's first group carries its header
+            check = None if head is None else functools.partial(self._check_prefetched, path, head, group[0][0])
+            prefix = () if head is None else ((0, memoryview(head)),)
+            jobs.append(functools.partial(fetch_runs, self.store, group, verify=verify, prefix=prefix, check=check))
+        if workers <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                self.bytes_read += job()
             return
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-read") as pool:
-            for future in [pool.submit(fetch_runs, self.store, group, verify=verify) for group in groups]:
+            for future in [pool.submit(job) for job in jobs]:
                 self.bytes_read += future.result()
+
+    def _try_check_size(self, path: str) -> int | None:
+        try:
+            return self._check_size(path)
+        except CheckpointError:
+            return None
+
+    def _check_prefetched(self, path: str, head: bytearray, first: ChunkRead) -> None:
+        try:
+            self._check_data_file(path, head)
+        except CheckpointError as exc:
+            exc.locate(field=first.field, tensor=first.tensor)
+            raise
 
     def chunks_in(self, path: str) -> list[tuple[str, str, ChunkRecord]]:
         """(field, tensor, chunk) of every chunk the manifest places in data file ``path``."""
@@ -284,16 +319,21 @@ class Checkpoint:
             self._chunks_by_file = index
         return self._chunks_by_file.get(path, [])
 
-    def header_problems(self, path: str, size: int) -> list[CheckpointError]:
+    def header_span(self, path: str, size: int) -> int:
+        """The bytes of a data file its header should fill: up to where the manifest's first chunk begins."""
+        return min(max(min((c.begin for _, _, c in self.chunks_in(path)), default=8), 8), size)
+
+    def header_problems(self, path: str, size: int, head: bytearray | None = None) -> list[CheckpointError]:
         """Parse a data file's safetensors header (SAF-2..12) and compare it with the manifest (SAF-13).
 
-        One ranged read: the manifest's first chunk begins where the header ends. Raises for a malformed
-        header; returns one error per chunk the header contradicts.
+        One ranged read (none if the caller fetched ``head``, the first :meth:`header_span` bytes, already):
+        the manifest's first chunk begins where the header ends. Raises for a malformed header; returns one
+        error per chunk the header contradicts.
         """
         placed = self.chunks_in(path)
-        hint = min((c.begin for _, _, c in placed), default=8)
-        head = bytearray(min(max(hint, 8), size))
-        self.store.read_into(path, 0, memoryview(head))
+        if head is None:
+            head = bytearray(self.header_span(path, size))
+            self.store.read_into(path, 0, memoryview(head))
         length = header_length(bytes(head[:8]), size, path)
         if len(head) < 8 + length:  # the manifest's hint was short (a file that disagrees with it)
             head = bytearray(8 + length)
@@ -320,20 +360,24 @@ class Checkpoint:
             problems.append(SafetensorsHeaderError(message, path=path, field=fname, tensor=tname, requirement="SAF-13"))
         return problems
 
-    def _check_data_file(self, path: str) -> None:
+    def _check_data_file(self, path: str, head: bytearray | None = None) -> None:
         """Before the first read from a data file: its size (MAN-19) and header (SAF-2..13); once per open."""
         if path in self._files_checked:
             return
+        actual = self._check_size(path)
+        problems = self.header_problems(path, actual, head)
+        if problems:
+            raise problems[0]
+        self._files_checked.add(path)
+
+    def _check_size(self, path: str) -> int:
         actual = self.store.size(path)
         expected = self._file_records[path].size
         if actual != expected:
             raise SizeMismatchError(
                 f"file has {actual} bytes, manifest says {expected}", path=path, requirement="MAN-19"
             )
-        problems = self.header_problems(path, actual)
-        if problems:
-            raise problems[0]
-        self._files_checked.add(path)
+        return actual
 
     def read_tensors(
         self, field: str, *, names: Sequence[str] | None = None, verify: bool = True, workers: int = 4
