@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..canonical import config_hash
-from ..errors import SourceFormatError
+from ..errors import SourceFormatError, UnsafePathError
 from .base import ConvertResult, NoProgress, Progress, converted_from, list_names, locate
 from .hf_trainer import (
     LazySafetensors,
@@ -234,7 +234,7 @@ def export_accelerate(
 
     import ckptfmt
 
-    from .base import fs_call, refuse_existing
+    from .destination import check_name, prepare_directory, write_output
     from .hf_trainer import join_optimizer, torchify
     from .lightning import decode
     from .torch_bridge import to_torch
@@ -286,16 +286,18 @@ def export_accelerate(
             for k, v in (ckpt.read_tensors("accelerate_tensors") if "accelerate_tensors" in ckpt.fields else {}).items()
         }
         for name, value in dict(info.get("files") or {}).items():
+            # a name from the checkpoint: untrusted, so held to the path rule before anything is written
+            if check_name(out, name) in objects or name in files:
+                raise UnsafePathError(f"the accelerate context names {name!r}, a file written already", path=src)
             objects[name] = decode(value, extra_tensors)
     for name, obj in objects.items():
         buf = io.BytesIO()
         torch.save(obj, buf)
         files[name] = buf.getvalue()
-    refuse_existing(out, list(files), overwrite)
-    fs_call(out.url, out.fs.makedirs, out.path, exist_ok=True)
+    prepare_directory(out, list(files), overwrite=overwrite)
     (progress or NoProgress()).start(sum(len(b) for b in files.values()))
     for name, data in files.items():
-        fs_call(out.url, out.fs.pipe_file, out.join(name).path, data)
+        write_output(out, name, data)
         result.files.append(name)
         (progress or NoProgress()).advance(len(data))
     if not generators:

@@ -34,8 +34,8 @@ from .base import (
     locate,
     read_file,
     read_range,
-    refuse_links,
 )
+from .destination import open_output, prepare_directory, write_output
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -241,15 +241,13 @@ def export_hf(
             if len(shards) <= 1
             else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
         )
-        refuse_links(out)
+        prepare_directory(out, names, overwrite=overwrite)
         _clear(out, overwrite)
-        fs_call(out.url, out.fs.makedirs, out.path, exist_ok=True)
         progress.start(sum(sizes.values()))
         weight_map: dict[str, str] = {}
         for filename, members in zip(names, shards or [[]], strict=True):
-            target = out.join(filename)
             header, order = shard_header([(n, records[n].dtype, records[n].shape, sizes[n]) for n in members])
-            with fs_call(target.url, out.fs.open, target.path, "wb") as f:
+            with open_output(out, filename) as f:
                 f.write(header)
                 for name in order:
                     f.write(np.ascontiguousarray(ckpt.read_tensor(field, name)).reshape(-1).view(np.uint8).data)
@@ -260,7 +258,7 @@ def export_hf(
             result.files.append(filename)
         if len(names) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-            fs_call(out.url, out.fs.pipe_file, out.join(INDEX).path, json.dumps(index, indent=2).encode())
+            write_output(out, INDEX, json.dumps(index, indent=2).encode())
             result.files.append(INDEX)
         other = [n for n, rec in ckpt.fields.items() if rec.kind == "tensors" and n != field]
         if other:

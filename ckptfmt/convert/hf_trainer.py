@@ -54,13 +54,13 @@ from .base import (
     NoProgress,
     Progress,
     converted_from,
-    fs_call,
     list_names,
     locate,
     read_file,
     read_range,
     refuse_existing,
 )
+from .destination import write_output
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -793,11 +793,11 @@ def export_hf_trainer(
         for name, obj in files.items():
             buf = io.BytesIO()
             torch.save(obj, buf)
-            fs_call(out.url, out.fs.pipe_file, out.join(name).path, buf.getvalue())
+            write_output(out, name, buf.getvalue())
             result.files.append(name)
         for name, doc in json_files.items():
             text = _json_text(doc)
-            fs_call(out.url, out.fs.pipe_file, out.join(name).path, text.encode("utf-8"))
+            write_output(out, name, text.encode("utf-8"))
             result.files.append(name)
     lacking = [f for f in (OPTIMIZER, SCHEDULER) if f not in files] + ([] if generators else [RNG])
     if lacking:

@@ -35,6 +35,7 @@ from ..errors import CheckpointError, SourceFormatError, UsageError
 from ..fields import check_config
 from . import torch_pt
 from .base import ConvertResult, NoProgress, Progress, converted_from, fs_call, locate, refuse_existing
+from .destination import check_name, write_output
 from .hf_trainer import field_source, join_optimizer, missing_note, split_optimizer, write_training
 
 _TENSOR, _TUPLE, _ITEMS = "$tensor", "$tuple", "$items"
@@ -278,13 +279,14 @@ def export_lightning(
 
     out = locate(dst, storage_options)
     parent = locate(dst.rstrip("/").rpartition("/")[0] or ".", storage_options)
-    refuse_existing(parent, [out.url.rpartition("/")[2]], overwrite)
+    name = out.url.rpartition("/")[2]
+    refuse_existing(parent, [check_name(parent, name)], overwrite)
     result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="lightning")
     with ckptfmt.open(src, storage_options) as ckpt:
         checkpoint = to_checkpoint(ckpt)
     buf = io.BytesIO()
     torch.save(checkpoint, buf)
-    fs_call(out.url, out.fs.pipe_file, out.path, buf.getvalue())
+    write_output(parent, name, buf.getvalue())  # a symlink in place of the file is refused, never written through
     result.tensors = len(checkpoint["state_dict"])
     result.bytes = len(buf.getvalue())
     result.files = [out.url.rpartition("/")[2]]
