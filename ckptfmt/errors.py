@@ -208,6 +208,12 @@ class CollectiveError(CheckpointError):
     code = "collective"
 
 
+class MemoryCapacityError(CheckpointError):
+    """The memory tier's slots do not fit in the memory directory (spec/memory.md MEM-9)."""
+
+    code = "memory_capacity"
+
+
 def error_from_dict(doc: dict[str, str]) -> CheckpointError:
     """Rebuild an error from :meth:`CheckpointError.to_dict` (how one rank's failure reaches every rank)."""
     classes: dict[str, type[CheckpointError]] = {}
@@ -241,6 +247,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "ManifestError",
+    "MemoryCapacityError",
     "MissingFieldError",
     "MissingFileError",
     "ResumeMismatchError",

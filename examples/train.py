@@ -320,6 +320,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no per-step output")
     p.add_argument("--kill-rank", type=int, metavar="R", help="with --kill-after-checkpoint-step: only rank R dies")
     p.add_argument("--samples-out", metavar="PREFIX", help="write each rank's sample indices to PREFIX.rank<R>.json")
+    p.add_argument("--memory-every", type=int, default=0, help="a memory snapshot every this many steps (0: off)")
+    p.add_argument("--memory-dir", help="the memory tier's directory (default $CKPTFMT_MEMORY_DIR or /dev/shm/ckptfmt)")
+    p.add_argument("--kill-at-step", type=int, metavar="N", help="SIGKILL self once step N's memory snapshot is in")
     return p.parse_args(argv)
 
 
@@ -333,15 +336,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = LossLog(args.losses_out if rank == 0 else None)
     seen = SampleLog(f"{args.samples_out}.rank{rank}.json" if args.samples_out else None)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kill_here = args.kill_after_checkpoint_step is not None and args.kill_rank in (None, rank) and attempt == 0
-    mgr = CheckpointManager(args.run_dir, keep_last=args.keep_last, async_save=args.async_save)
+    kill_here = args.kill_rank in (None, rank) and attempt == 0
+    mgr = CheckpointManager(
+        args.run_dir,
+        keep_last=args.keep_last,
+        async_save=args.async_save,
+        memory_every=args.memory_every,
+        memory_dir=args.memory_dir,
+    )
     skip = (args.withhold,) if args.withhold else ()
     step = mgr.restore_latest(**trainer.state(), config=cfg, skip_fields=skip) or 0
     say = (lambda *a: None) if args.quiet or rank != 0 else (lambda *a: print(*a, flush=True))
+    tier = f", from {mgr.last_restore.tier}" if mgr.last_restore is not None else ""
     say(
         f"{'resumed at' if step else 'starting at'} step {step} "
-        f"(ranks={world}, threads={args.threads}, workers={args.workers}, attempt={attempt})"
+        f"(ranks={world}, threads={args.threads}, workers={args.workers}, attempt={attempt}{tier})"
     )
+    if mgr.last_restore is not None:
+        say(f"restore report: {json.dumps(mgr.last_restore.to_dict())}")
     batches = trainer.batches()
     saved_at = step
     first_step = True
@@ -366,6 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mgr.wait()  # durable first: the point is to be killed *after* a checkpoint
                 print(f"rank {rank}: checkpoint at step {step} is durable; SIGKILL at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.kill_at_step and kill_here:
+            mgr.wait_memory()  # this step's snapshot is in its slot; the durable one may be far behind
+            print(f"rank {rank}: memory snapshot of step {step} is in; SIGKILL at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
     if saved_at != step:
         mgr.save(step, **trainer.state(), config=cfg)  # the final state, so runs can be diffed
     mgr.close()

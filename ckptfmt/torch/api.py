@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 import numpy as np
@@ -36,11 +37,19 @@ class Restored:
     mismatches: tuple[str, ...]
 
 
-def _collective(process_group: Any = None) -> Any:
-    """A :class:`~ckptfmt.torch.collective.TorchCollective` when several ranks save together, else None."""
+DEDICATED_TIMEOUT = timedelta(minutes=5)
+
+
+def _collective(process_group: Any = None, *, dedicated: bool = False) -> Any:
+    """A :class:`~ckptfmt.torch.collective.TorchCollective` when several ranks save together, else None.
+
+    ``dedicated``: over a gloo group of its own (made here, collectively), for exchanges from a background
+    thread that must never interleave with the trainer's own collectives on the default group; a rank that
+    does not answer fails it after ``DEDICATED_TIMEOUT``.
+    """
     from .collective import default_collective
 
-    return default_collective(process_group)
+    return default_collective(process_group, timeout=DEDICATED_TIMEOUT if dedicated else None)
 
 
 def data_source(*, sampler: Any = None, loader: Any = None) -> Any:

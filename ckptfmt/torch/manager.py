@@ -33,22 +33,27 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from .. import provenance as prov
 from ..collective import Collective
+from ..errors import UsageError
 from ..reader import open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
+from ..tier.persist import Persisted
 from ..writer import CheckpointWriter
 from . import api, state
 from .api import Policy
+from .memory import MemoryCandidate, MemorySnapshots
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
+Tier = Literal["memory", "durable"]
 
 
 class CheckpointManager:
@@ -68,7 +73,13 @@ class CheckpointManager:
         exit_on_preemption: bool = True,
         verify_on_restore: bool = False,
         codec: str | None = None,
+        memory_every: int = 0,
+        memory_dir: str | os.PathLike[str] | None = None,
+        memory_slots: int = 2,
+        persist_duty: float = 0.5,
     ) -> None:
+        if memory_every < 0:
+            raise UsageError("memory_every must be 0 (off) or a number of steps")
         self.run = RunDirectory(run_url, storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -95,10 +106,27 @@ class CheckpointManager:
         self.held_seconds = 0.0  # total time optimizer.step() waited for an async save's copy
         self._inflight_name: str | None = None
         self._preempted = threading.Event()
+        self.memory_every = memory_every
+        self.last_restore: RestoreReport | None = None
+        self._memory: MemorySnapshots | None = None
+        if memory_every:
+            # its own process group: snapshots commit from a background thread, while the trainer's thread
+            # runs the model's collectives on the default group
+            dedicated = collective if collective is not None else api._collective(process_group, dedicated=True)
+            self._memory = MemorySnapshots(
+                self.run,
+                memory_dir=memory_dir,
+                slots=memory_slots,
+                collective=dedicated,
+                persist_duty=persist_duty,
+                on_persisted=self._on_persisted,
+            )
         self._previous_handlers: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in preemption_signals:
                 self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+            if self._memory is not None:
+                self._memory.start_watcher(tuple(preemption_signals))
 
     # ---------------------------------------------------------------- preemption
 
@@ -121,6 +149,8 @@ class CheckpointManager:
         exits the process cleanly (``SystemExit(0)``).
         """
         preempted = self.preempted
+        if self._memory is not None:
+            return self._memory_checkpoint_if_due(step, every, preempted, state_objects)
         if not preempted and step % every:
             self._raise_background_error()
             return False
@@ -132,6 +162,71 @@ class CheckpointManager:
                 self.close()
                 raise SystemExit(0)
         return True
+
+    def _memory_checkpoint_if_due(self, step: int, every: int, preempted: bool, state_objects: Any) -> bool:
+        """Memory tier: a snapshot every ``memory_every`` steps, persisted every ``every`` steps; after a
+        preemption signal, one at once, persisted before the process exits."""
+        assert self._memory is not None
+        durable = step % every == 0
+        if not (preempted or durable or step % self.memory_every == 0):
+            self._memory.raise_background_error()
+            return False
+        self._snapshot(step, persist=durable or preempted, **state_objects)
+        if preempted:
+            self.wait()
+            log.warning("emergency checkpoint at step %d is durable (from memory)", step)
+            if self.exit_on_preemption:
+                self.close()
+                raise SystemExit(0)
+        return durable
+
+    def _snapshot(
+        self,
+        step: int,
+        *,
+        persist: bool,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: object,
+        sampler: Any = None,
+        loader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """A memory snapshot of the full training state (persisted afterwards when ``persist``)."""
+        assert self._memory is not None
+        self._memory.wait_snapshot()
+        if self._memory.newest is not None:
+            self.last_checkpoint_id = self._memory.newest[2]
+        if sampler is None and loader is None:
+            loader = self.loader
+        snap = api.capture(
+            step=step,
+            model=model,
+            optimizer=optimizer,
+            sampler=sampler,
+            loader=loader,
+            config=config,
+            data_policy=self.data_policy,
+            steps_passed=step > (self._step or 0),
+            parent=self.last_checkpoint_id,
+            code=self._code,
+            defer=True,
+            **kwargs,
+        )
+        self._step = step
+        self._memory.snapshot(snap, optimizer, persist=persist)
+
+    def _on_persisted(self, done: Persisted) -> None:
+        """Rank 0's persist thread, after a memory snapshot became a durable checkpoint: retention."""
+        if done.status == "persisted":
+            self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect={done.name})
+
+    def wait_memory(self) -> None:
+        """Block until the memory snapshot in flight is committed in its slot (not persisted)."""
+        if self._memory is not None:
+            self._memory.wait_snapshot()
+            if self._memory.newest is not None:
+                self.last_checkpoint_id = self._memory.newest[2]
 
     # ---------------------------------------------------------------- save
 
@@ -149,7 +244,21 @@ class CheckpointManager:
         """Checkpoint the full training state at ``step`` (waits for a previous async save first).
 
         The data position comes from ``loader=`` (default: the manager's ``loader``) or ``sampler=``.
+        With the memory tier (``memory_every``), the state goes to a memory slot and is persisted from there
+        in the background (:meth:`wait` waits for it).
         """
+        if self._memory is not None:
+            self._snapshot(
+                step,
+                persist=True,
+                model=model,
+                optimizer=optimizer,
+                config=config,
+                sampler=sampler,
+                loader=loader,
+                **kwargs,
+            )
+            return
         self.wait()
         if sampler is None and loader is None:
             loader = self.loader
@@ -235,6 +344,11 @@ class CheckpointManager:
 
     def wait(self) -> str | None:
         """Block until the save in flight is durable; raise its error if it failed."""
+        if self._memory is not None:
+            self._memory.wait()
+            if self._memory.newest is not None:
+                self.last_checkpoint_id = self._memory.newest[2]
+            return self.last_checkpoint_id
         future, self._inflight = self._inflight, None
         self._inflight_name = None
         if future is None:
@@ -247,6 +361,8 @@ class CheckpointManager:
                 self._gate = None
 
     def _raise_background_error(self) -> None:
+        if self._memory is not None:
+            self._memory.raise_background_error()
         if self._inflight is not None and self._inflight.done():
             self.wait()
 
@@ -276,14 +392,19 @@ class CheckpointManager:
         fine-tune with a fresh optimizer, or as a negative control showing that a resume needs them.
         """
         self.wait()
+        started = time.perf_counter()
         if sampler is None and loader is None:
             loader = self.loader
         source = api.data_source(sampler=sampler, loader=loader)
-        for entry_name, entry_step, status in self._candidates():
+        if self._memory is not None and optimizer is not None:
+            self._memory.check_capacity(_estimated_state_bytes(model, optimizer))
+        skipped: list[str] = []
+        for candidate in self._all_candidates():
+            entry_name, entry_step, status, url = candidate.label, candidate.step, candidate.status, candidate.url
             if status != "committed":
                 log.warning("skipping %s: %s", entry_name, status)
+                skipped.append(f"{entry_name}: {status}")
                 continue
-            url = self.run.child_url(entry_name)
             # Only a checkpoint that cannot be read, verified or used as a resume is skipped. Once it is in
             # memory, whole and verified, a refusal to apply it (a mismatch under "strict", a model of another
             # shape, a sampler with another seed) is the caller's to see: falling back to an older checkpoint,
@@ -298,8 +419,10 @@ class CheckpointManager:
                     else:
                         snap = state.read_snapshot(ckpt, state.load_targets(model))
                         ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
+                        bytes_read = ckpt.bytes_read
             except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
                 log.warning("skipping %s: cannot be read: %s: %s", entry_name, type(exc).__name__, exc)
+                skipped.append(f"{entry_name}: {type(exc).__name__}: {exc}")
             missing = (
                 api.missing_fields(
                     snap,
@@ -322,6 +445,7 @@ class CheckpointManager:
             if not self._agree(snap is not None and not missing):
                 if snap is not None and not missing:
                     log.warning("skipping %s: another rank cannot use it", entry_name)
+                    skipped.append(f"{entry_name}: another rank cannot use it")
                 continue
             assert snap is not None
             restored = api.restore(
@@ -341,8 +465,40 @@ class CheckpointManager:
             self.last_checkpoint_id = restored.checkpoint_id
             self._step = restored.step if restored.step is not None else entry_step
             _log_topology_change(entry_name, snap.contexts.get("topology", {}), api.topology())
+            if candidate.memory is not None and self._memory is not None:
+                self._memory.restored(candidate.memory)
+            self.last_restore = RestoreReport(
+                step=self._step,
+                tier=candidate.tier,
+                url=ckpt_url,
+                checkpoint_id=ckpt_id,
+                seconds=time.perf_counter() - started,
+                bytes_read=bytes_read,
+                skipped=tuple(skipped),
+            )
+            log.info(
+                "restored step %s from %s (%s) in %.3f s, %d bytes read",
+                self._step,
+                candidate.tier,
+                ckpt_url,
+                self.last_restore.seconds,
+                bytes_read,
+            )
             return self._step
         return None
+
+    def _all_candidates(self) -> list[_Candidate]:
+        """Every checkpoint a restore may take, newest step first; at the same step, memory before durable."""
+        found = [
+            _Candidate(label=name, step=step, status=status, url=self.run.child_url(name), tier="durable")
+            for name, step, status in self._candidates()
+        ]
+        if self._memory is not None:
+            found += [
+                _Candidate(label=f"memory {c.url}", step=c.step, status="committed", url=c.url, tier="memory", memory=c)
+                for c in self._memory.candidates()
+            ]
+        return sorted(found, key=lambda c: (c.step if c.step is not None else -1, c.tier == "memory"), reverse=True)
 
     # ---------------------------------------------------------------- housekeeping
 
@@ -367,6 +523,8 @@ class CheckpointManager:
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
+            if self._memory is not None:
+                self._memory.close()
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
             self._previous_handlers.clear()
@@ -376,6 +534,55 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreReport:
+    """What :meth:`CheckpointManager.restore_latest` restored, from where, and what it cost."""
+
+    step: int | None
+    tier: Tier
+    url: str
+    checkpoint_id: str
+    seconds: float
+    bytes_read: int  # tensor bytes fetched (headers and context blobs not counted)
+    skipped: tuple[str, ...] = ()  # newer candidates passed over, each with why
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "tier": self.tier,
+            "url": self.url,
+            "checkpoint_id": self.checkpoint_id,
+            "seconds": round(self.seconds, 6),
+            "bytes_read": self.bytes_read,
+            "skipped": list(self.skipped),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Candidate:
+    label: str
+    step: int | None
+    status: str
+    url: str
+    tier: Tier
+    memory: MemoryCandidate | None = None
+
+
+def _estimated_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's share of a snapshot before its first one: the model's local tensors, and the optimizer's
+    state, or twice the parameters while it has none yet (Adam's two moments, the common case)."""
+
+    def nbytes(t: Any) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return int(local.numel() * local.element_size()) if isinstance(local, torch.Tensor) else 0
+
+    weights = sum(nbytes(t) for t in model.state_dict().values())
+    moments = sum(nbytes(v) for entry in optimizer.state.values() for v in entry.values())
+    if not optimizer.state:
+        moments = 2 * sum(nbytes(p) for group in optimizer.param_groups for p in group["params"])
+    return weights + moments
 
 
 def _log_topology_change(name: str, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:

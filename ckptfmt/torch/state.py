@@ -52,26 +52,56 @@ class Snapshot:
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     deferred: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
 
-    def materialize(self, buffers: HostBuffers) -> None:
+    def materialize(self, buffers: HostBuffers | None) -> None:
+        """Take the deferred tensors: copies into ``buffers``, or (None) views of CPU tensors as they are,
+        which the caller must then write before the next ``optimizer.step()`` changes them."""
         for fname, name, tensor in self.deferred:
             self.tensors[fname][name] = _host(f"{fname}/{name}", tensor, buffers)
+        if buffers is not None:
+            buffers.synchronize()
         self.deferred.clear()
 
 
 class HostBuffers:
-    """Reusable host copies of device tensors, so repeated snapshots allocate nothing new."""
+    """Reusable host copies of tensors, so repeated snapshots allocate nothing new.
 
-    def __init__(self) -> None:
+    With ``pinned`` (device tensors, CUDA), buffers are page-locked and the copies are issued on a side
+    stream that first waits for the training stream's work (``source_stream``, captured by the trainer's
+    thread): the training stream never waits on a copy, and :meth:`synchronize` (called by the thread that
+    writes the snapshot) waits for the copies' event, not for the device.
+    """
+
+    def __init__(self, *, pinned: bool = False) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.pinned = pinned
+        self._stream: Any = None
+        self._event: Any = None
+        self.source_stream: Any = None
 
     def copy(self, key: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
         t = _local(tensor.detach())
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=False)
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pinned and t.is_cuda)
             self._buffers[key] = buf
-        buf.copy_(t)
+        if t.is_cuda and self.pinned:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
+            if self._event is None:  # first device copy of this round: order it after the training stream's work
+                self._stream.wait_stream(self.source_stream or torch.cuda.current_stream(t.device))
+                self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(self._stream):
+                buf.copy_(t, non_blocking=True)
+        else:
+            buf.copy_(t)
         return as_array(buf)[0]
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued since the last call has landed in host memory."""
+        if self._event is not None:
+            self._event.record(self._stream)
+            self._event.synchronize()
+            self._event = None
 
 
 def _host(key: str, tensor: torch.Tensor, buffers: HostBuffers | None) -> Stored:
@@ -334,6 +364,16 @@ def write_snapshot(writer: CheckpointWriter, snap: Snapshot) -> str:
     replicated tensors assigned to it (:func:`~ckptfmt.torch.sharding.owners`), and the coordinator writes
     the context blobs; the commit is collective.
     """
+    stage_snapshot(writer, snap)
+    return writer.commit()
+
+
+def stage_snapshot(writer: CheckpointWriter, snap: Snapshot) -> None:
+    """Hand every field of ``snap`` to ``writer`` (not committed; on failure the writer is aborted).
+
+    After ``writer.flush()`` returns, the snapshot's arrays are no longer needed: a snapshot of live
+    tensors (views) may let the trainer change them from then on.
+    """
     if snap.deferred:
         raise UsageError("the snapshot has tensors not copied yet: call materialize() first")
     try:
@@ -359,7 +399,6 @@ def write_snapshot(writer: CheckpointWriter, snap: Snapshot) -> str:
     except BaseException:
         writer.abort()
         raise
-    return writer.commit()
 
 
 def _gather_rng(snap: Snapshot, collective: Collective) -> None:

@@ -1,0 +1,105 @@
+"""Who a memory snapshot belongs to: the run, the node and the step, as the slot manifest's metadata.
+
+A memory slot outlives the process that wrote it (that is its purpose), so the next process that finds
+it must be able to tell whose it is before using it: a restore takes a slot only when its run identity
+and node are this process's own (spec/memory.md MEM-5). The binding is written in the manifest's
+``metadata`` (strings), so it is covered by the checkpoint id, and a persisted copy carries it along.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import ManifestError
+
+PREFIX = "ckptfmt.memory."
+NODE_KEY_ENV = "CKPTFMT_NODE_KEY"
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def node_key() -> str:
+    """This node: ``$CKPTFMT_NODE_KEY`` when set, else the host name and boot id (a rebooted host is
+    another node: its memory is gone), never a rank number."""
+    explicit = os.environ.get(NODE_KEY_ENV)
+    if explicit:
+        return explicit
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def run_dir_key(run_url: str) -> str:
+    """The run directory as one path component: the name of its directory under the memory directory."""
+    return "run-" + hashlib.sha256(normalize_run_url(run_url).encode("utf-8")).hexdigest()[:16]
+
+
+def normalize_run_url(run_url: str) -> str:
+    text = os.fspath(run_url).rstrip("/")
+    if "://" not in text:
+        return os.path.abspath(text)
+    return text.removeprefix("file://") if text.startswith("file://") else text
+
+
+def run_identity(run_url: str) -> str:
+    """The run a snapshot belongs to: torchrun's ``$TORCHELASTIC_RUN_ID`` where set (the same across the
+    restarts of one job), else the run directory."""
+    return os.environ.get(RUN_ID_ENV) or "run-dir:" + normalize_run_url(run_url)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotBinding:
+    """The metadata every memory snapshot carries (``ckptfmt.memory.*``)."""
+
+    run_id: str
+    run_dir: str
+    node: str
+    world_size: int
+    step: int
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            f"{PREFIX}run_id": self.run_id,
+            f"{PREFIX}run_dir": self.run_dir,
+            f"{PREFIX}node": self.node,
+            f"{PREFIX}world_size": str(self.world_size),
+            f"{PREFIX}step": str(self.step),
+        }
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> SlotBinding:
+        """Parse a slot manifest's binding; ManifestError naming the key that is absent or malformed."""
+        values: dict[str, str] = {}
+        for key in ("run_id", "run_dir", "node", "world_size", "step"):
+            value = metadata.get(PREFIX + key)
+            if not isinstance(value, str) or not value:
+                raise ManifestError(f"metadata {PREFIX + key!r} is missing: not a memory snapshot", requirement="MEM-3")
+            values[key] = value
+        numbers: dict[str, int] = {}
+        for key in ("world_size", "step"):
+            text = values[key]
+            if not text.isascii() or not text.isdigit() or len(text) > 19 or (key == "world_size" and int(text) < 1):
+                raise ManifestError(f"metadata {PREFIX + key!r} is not a count: {text[:40]!r}", requirement="MEM-3")
+            numbers[key] = int(text)
+        return cls(
+            run_id=values["run_id"],
+            run_dir=values["run_dir"],
+            node=values["node"],
+            world_size=numbers["world_size"],
+            step=numbers["step"],
+        )
+
+    def foreign_to(self, *, run_id: str, node: str) -> str | None:
+        """Why this slot is not the given run's and node's to restore from, or None when it is."""
+        if self.run_id != run_id:
+            return f"written by run {self.run_id!r}, this is run {run_id!r}"
+        if self.node != node:
+            return f"written on node {self.node!r}, this is node {node!r}"
+        return None

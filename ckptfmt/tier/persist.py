@@ -1,0 +1,188 @@
+"""Persisting a memory snapshot: a copy of its bytes into the run directory, every file's digest checked.
+
+The copy is the checkpoint itself, not a re-encoding: the same files, byte for byte, and the same
+manifest, so the durable checkpoint has the snapshot's checkpoint id. Each file is streamed in
+``PIECE_BYTES`` pieces, hashed as it goes and compared with the manifest's size and digest before it is
+published; the manifest is written last, create-only, by the same commit protocol as every save
+(:class:`~ckptfmt.commit.Committer`, spec/commit.md). A slot that changed or rotted since it was
+committed fails its digest check and is not persisted.
+
+A persist runs beside training, so it is throttled (:class:`Throttle`): a share of wall time, and a
+lower scheduling priority for the thread that does it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from ..commit import Committer
+from ..digests import algorithm_of, format_digest, new_hasher
+from ..errors import CheckpointError, CheckpointExistsError, DigestMismatchError, SizeMismatchError, UsageError
+from ..manifest import checkpoint_id, parse_manifest
+from ..paths import MANIFEST_NAME
+from ..reader import read_manifest_bytes
+from ..run import RunDirectory, checkpoint_name
+from ..storage import Store, open_store
+from .binding import SlotBinding
+
+log = logging.getLogger("ckptfmt")
+
+PIECE_BYTES = 8 << 20
+PersistStatus = Literal["persisted", "already durable", "conflict"]
+
+
+class Throttle:
+    """Keeps a background copy to ``duty`` of wall time: after each piece that took ``t`` seconds it sleeps
+    ``t * (1 - duty) / duty``. ``duty=1`` never sleeps."""
+
+    def __init__(self, duty: float = 1.0) -> None:
+        if not 0 < duty <= 1:
+            raise UsageError(f"a persist duty must be in (0, 1], got {duty}")
+        self.duty = duty
+        self.slept = 0.0
+
+    def after(self, seconds: float) -> None:
+        if self.duty < 1 and seconds > 0:
+            pause = seconds * (1 - self.duty) / self.duty
+            time.sleep(pause)
+            self.slept += pause
+
+
+def lower_thread_priority(nice: int = 10) -> None:
+    """Give the calling thread a lower CPU priority (Linux: a thread is a task with its own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass  # elsewhere, or not permitted: the duty cycle still bounds it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Persisted:
+    """What :func:`persist` did."""
+
+    source: str
+    destination: str
+    name: str
+    step: int
+    checkpoint_id: str
+    status: PersistStatus
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "name": self.name,
+            "step": self.step,
+            "checkpoint_id": self.checkpoint_id,
+            "status": self.status,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def _copy_file(src: Store, dst: Store, path: str, size: int, digest: str, throttle: Throttle) -> None:
+    """Stream one file, checking its size and digest before it is published under its name."""
+    hasher = new_hasher(algorithm_of(digest))
+    buffer = bytearray(min(PIECE_BYTES, max(size, 1)))
+    out = dst.create(path)
+    try:
+        position = 0
+        while position < size:
+            start = time.perf_counter()
+            view = memoryview(buffer)[: min(len(buffer), size - position)]
+            src.read_into(path, position, view)
+            hasher.update(view)
+            out.write(view)
+            position += len(view)
+            throttle.after(time.perf_counter() - start)
+        if src.size(path) != size:
+            raise SizeMismatchError(f"is {src.size(path)} bytes, the manifest says {size}", path=path)
+        if format_digest(algorithm_of(digest), hasher) != digest:
+            raise DigestMismatchError("changed since its snapshot was committed: digest differs", path=path)
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+
+
+def persist(
+    source: str | os.PathLike[str],
+    run: RunDirectory,
+    *,
+    step: int | None = None,
+    throttle: Throttle | None = None,
+    update_latest: bool = True,
+) -> Persisted:
+    """Copy the committed checkpoint at ``source`` into ``run`` as ``step-<step>`` (default: the step of its
+    memory binding). Already there with the same id: nothing to do. Another checkpoint there: ``conflict``,
+    left alone. ``update_latest`` points ``latest.json`` at it when it is the run's newest step."""
+    throttle = throttle or Throttle()
+    started = time.perf_counter()
+    src = open_store(source)
+    data = read_manifest_bytes(src)
+    manifest = parse_manifest(data)
+    ckpt_id = checkpoint_id(data)
+    if step is None:
+        step = SlotBinding.from_metadata(manifest.metadata).step
+    name = checkpoint_name(step)
+    dst = open_store(run.child_url(name), run.storage_options)
+
+    def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
+        return Persisted(
+            source=src.url,
+            destination=dst.url,
+            name=name,
+            step=step,
+            checkpoint_id=ckpt_id,
+            status=status,
+            bytes=nbytes,
+            seconds=time.perf_counter() - started,
+        )
+
+    existing = _existing_id(dst)
+    if existing is not None:
+        return outcome("already durable" if existing == ckpt_id else "conflict")
+    try:
+        committer = Committer(dst)
+    except CheckpointExistsError:  # committed (or being written) by another process since the look above
+        existing = _existing_id(dst)
+        return outcome("already durable" if existing == ckpt_id else "conflict")
+    written: list[str] = []
+    try:
+        for record in manifest.files:
+            _copy_file(src, dst, record.path, record.size, record.digest, throttle)
+            written.append(record.path)
+        committed = committer.commit(manifest, written)
+    except BaseException:
+        committer.abort(written)
+        raise
+    if committed != ckpt_id:  # the manifest is written as parsed: a writer that is not canonical shows here
+        log.warning("%s: persisted with checkpoint id %s (the snapshot's is %s)", dst.url, committed, ckpt_id)
+    if update_latest:
+        _advance_latest(run, name, step, committed)
+    return outcome("persisted", sum(f.size for f in manifest.files))
+
+
+def _existing_id(store: Store) -> str | None:
+    try:
+        if not store.exists(MANIFEST_NAME):
+            return None
+        return checkpoint_id(read_manifest_bytes(store))
+    except CheckpointError:
+        return None
+
+
+def _advance_latest(run: RunDirectory, name: str, step: int, ckpt_id: str) -> None:
+    """Point ``latest`` here unless it already names a newer step (a rescue of an older slot must not move it back)."""
+    current = run.latest()
+    current_step = current.get("step") if current else None
+    if isinstance(current_step, int) and current_step > step:
+        return
+    run.set_latest(name, step, ckpt_id)

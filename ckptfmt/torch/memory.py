@@ -1,0 +1,450 @@
+"""The trainer's side of the memory tier: a snapshot in node memory every few steps, durable saves made from it.
+
+Call sequence (the manager drives it; every rank makes the same calls)::
+
+    tier = MemorySnapshots(run, memory_dir=..., slots=2, collective=dedicated_group)
+    candidates = tier.candidates()            # at start: this run's committed slots, newest first
+    tier.snapshot(step, persist=..., **state) # on the trainer's thread, every memory_every steps
+    tier.wait()                               # the snapshot in flight committed, persists done
+    tier.close()
+
+A snapshot captures on the trainer's thread what the next forward pass may change (RNG, data position,
+config, scheduler, buffers); parameters and optimizer state are written by a background thread straight
+from the live tensors (CPU) or from pinned host copies made on a side stream (CUDA) while the next
+forward and backward run, and an optimizer step pre-hook holds the next ``step()`` until those bytes are
+in the slot. The snapshot is a checkpoint written by the ordinary writer, with the ordinary collective
+commit, into the node's slot (:class:`~ckptfmt.storage.slot.SlotStore`); rank 0 picks the slot.
+
+A durable save is a persist of a committed slot (:func:`ckptfmt.tier.persist`): rank 0 copies the
+node's slot into the run directory in a throttled background thread; the slot is held out of the ring
+until the copy is done. On SIGTERM the newest committed slot is persisted at once by a watcher thread
+(it runs even while the trainer's thread is blocked in a collective with a dead peer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collective import Collective, decode_status, encode_status
+from ..errors import CheckpointError, CheckpointExistsError, MemoryCapacityError, UsageError
+from ..run import RunDirectory
+from ..storage.slot import SlotStore
+from ..tier import MemoryTier, Slot, SlotBinding, Throttle, node_key, persist, run_identity
+from ..tier.binding import normalize_run_url
+from ..tier.persist import Persisted, lower_thread_priority
+from ..writer import CheckpointWriter
+from . import state
+from .state import HostBuffers, Snapshot
+
+log = logging.getLogger("ckptfmt")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryCandidate:
+    """A committed slot this run may restore from."""
+
+    step: int
+    url: str
+    checkpoint_id: str
+
+
+def state_bytes(snap: Snapshot) -> int:
+    """Tensor bytes this rank puts in a snapshot (deferred tensors at their live size)."""
+    total = sum(int(getattr(v, "nbytes", 0)) for named in snap.tensors.values() for v in named.values())
+    for _, _, tensor in snap.deferred:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+class MemorySnapshots:
+    def __init__(
+        self,
+        run: RunDirectory,
+        *,
+        memory_dir: str | os.PathLike[str] | None,
+        slots: int,
+        collective: Collective | None,
+        persist_duty: float = 0.5,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        on_persisted: Callable[[Persisted], None] | None = None,
+    ) -> None:
+        self.run = run
+        self.tier = MemoryTier(memory_dir, run.url, slots=slots)
+        self.collective = collective
+        self.rank = collective.rank if collective is not None else 0
+        self.node = node_key()
+        self.run_id = run_identity(run.url)
+        self.world_size = collective.world_size if collective is not None else 1
+        self.persist_duty = persist_duty
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.on_persisted = on_persisted
+        self._check_one_node()
+        self.tier.ensure()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-memory")
+        self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-persist")
+        self._inflight: Future[None] | None = None
+        self._persists: list[Future[Persisted | None]] = []
+        self._queued: Future[Persisted | None] | None = None  # a persist submitted, not started yet
+        self._held: dict[int, int] = {}  # slot -> number of persists copying it (out of the ring meanwhile)
+        self._lock = threading.Lock()
+        self._slot_steps: dict[int, int | None] | None = None  # rank 0's view of the ring
+        self._copied = threading.Event()
+        self._copied.set()
+        self._gated: Any = None  # the optimizer the step gate is registered on
+        self._gate: Any = None
+        self._checked_capacity = False
+        self.buffers = HostBuffers(pinned=True) if torch.cuda.is_available() else None
+        self.newest: tuple[int, int, str] | None = None  # (slot, step, checkpoint id) of the newest commit
+        self.snapshots = 0
+        self.skipped = 0
+        self.capture_seconds = 0.0  # the trainer's thread, in snapshot()
+        self.held_seconds = 0.0  # optimizer.step() waiting for a snapshot's bytes
+        self.last_persisted: Persisted | None = None
+        self._watcher: threading.Thread | None = None
+        self._wakeup: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+
+    # ---------------------------------------------------------------- set-up
+
+    def _check_one_node(self) -> None:
+        """Every rank of this job on one node: the slot then holds the whole checkpoint (replicas across nodes
+        are the next step of the design, spec/memory.md)."""
+        if self.collective is None:
+            return
+        keys = self.collective.gather(self.node.encode("utf-8"), dst=0)
+        verdict = None
+        if keys is not None:
+            nodes = sorted({k.decode("utf-8", "replace") for k in keys})
+            error = None
+            if len(nodes) > 1:
+                error = UsageError(
+                    f"the memory tier needs every rank on one node for now; this job spans {len(nodes)} nodes "
+                    f"({', '.join(nodes[:4])}): turn it off (memory_every=0) on multi-node jobs"
+                )
+            verdict = encode_status(error)
+        decode_status(self.collective.broadcast(verdict, src=0))
+
+    def check_capacity(self, per_rank: int) -> None:
+        """Refuse slots that would not fit the memory directory (all ranks raise the same error)."""
+        totals = [per_rank]
+        if self.collective is not None:
+            gathered = self.collective.gather(str(per_rank).encode(), dst=0)
+            totals = [int(g) for g in gathered] if gathered is not None else []
+        verdict: bytes | None = None
+        if self.rank == 0:
+            try:
+                self.tier.check_capacity(sum(totals))
+                verdict = encode_status(None)
+            except MemoryCapacityError as exc:
+                verdict = encode_status(exc)
+        if self.collective is not None:
+            verdict = self.collective.broadcast(verdict, src=0)
+        assert verdict is not None
+        decode_status(verdict)
+        self._checked_capacity = True
+
+    # ---------------------------------------------------------------- restore
+
+    def candidates(self) -> list[MemoryCandidate]:
+        """This run's and node's committed slots, newest first (rank 0 looks; every rank gets its answer).
+        Slots of another run or node, torn or invalid ones are logged with the reason and left out."""
+        found: list[MemoryCandidate] = []
+        if self.rank == 0:
+            for slot in self.tier.slots():
+                if slot.status == "empty":
+                    continue
+                if slot.status != "committed" or slot.binding is None or slot.checkpoint_id is None:
+                    log.warning("memory slot %s ignored: %s", slot.path, slot.reason or slot.status)
+                    continue
+                foreign = slot.binding.foreign_to(run_id=self.run_id, node=self.node)
+                if foreign is None and normalize_run_url(slot.binding.run_dir) != normalize_run_url(self.run.url):
+                    foreign = f"written for run directory {slot.binding.run_dir!r}"
+                if foreign is not None:
+                    log.warning(
+                        "memory slot %s (step %d) ignored: %s; `ckpt rescue %s %s` persists it",
+                        slot.path,
+                        slot.binding.step,
+                        foreign,
+                        self.tier.memory_dir,
+                        self.run.url,
+                    )
+                    continue
+                found.append(MemoryCandidate(step=slot.binding.step, url=slot.path, checkpoint_id=slot.checkpoint_id))
+            found.sort(key=lambda c: c.step, reverse=True)
+        if self.collective is None:
+            return found
+        data = json.dumps([[c.step, c.url, c.checkpoint_id] for c in found]).encode() if self.rank == 0 else None
+        return [
+            MemoryCandidate(step=int(s), url=str(u), checkpoint_id=str(i))
+            for s, u, i in json.loads(self.collective.broadcast(data, src=0))
+        ]
+
+    def restored(self, candidate: MemoryCandidate) -> None:
+        """After a restore from ``candidate``: it is the newest snapshot, and (rank 0) it is persisted in the
+        background unless the run directory has it, so it outlives this node."""
+        slot = int(candidate.url.rstrip("/").rpartition("-")[2])
+        self.newest = (slot, candidate.step, candidate.checkpoint_id)
+        if self.rank == 0:
+            with self._lock:
+                ring = self._ring()
+                for index in ring:  # newer slots (another run's, torn ones) are not this run's to persist
+                    if ring[index] is not None and (ring[index] or 0) > candidate.step:
+                        ring[index] = None
+                ring[slot] = candidate.step
+            self._submit_persist()
+
+    # ---------------------------------------------------------------- snapshots
+
+    def snapshot(self, snap: Snapshot, optimizer: torch.optim.Optimizer, *, persist: bool) -> None:
+        """Write ``snap`` (captured with ``defer=True``) into the next slot in the background; persist it
+        afterwards when ``persist``. Waits for the previous snapshot first, raising its failure."""
+        started = time.perf_counter()
+        self.wait_snapshot()
+        if not self._checked_capacity:
+            self.check_capacity(state_bytes(snap))
+        self._gate_optimizer(optimizer)
+        if self.buffers is not None and torch.cuda.is_available():
+            self.buffers.source_stream = torch.cuda.current_stream()
+        self._copied.clear()
+        self._inflight = self._writer.submit(self._write, snap, persist)
+        self.snapshots += 1
+        self.capture_seconds += time.perf_counter() - started
+
+    def _gate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._gated is optimizer:
+            return
+        if self._gate is not None:
+            self._gate.remove()
+
+        def hold_step(opt: Any, args: Any, kwargs: Any) -> None:
+            if not self._copied.is_set():
+                start = time.perf_counter()
+                self._copied.wait()
+                self.held_seconds += time.perf_counter() - start
+
+        self._gate = optimizer.register_step_pre_hook(hold_step)
+        self._gated = optimizer
+
+    def _ring(self) -> dict[int, int | None]:
+        """Rank 0's view of the ring: slot -> committed step (None: empty, torn or being rewritten). Under _lock."""
+        if self._slot_steps is None:
+            self._slot_steps = {s.index: self._own_step(s) for s in self.tier.slots()}
+        return self._slot_steps
+
+    def _own_step(self, slot: Slot) -> int | None:
+        """The step of a committed slot of this run and node; None for any other (free to rewrite)."""
+        if slot.status != "committed" or slot.binding is None:
+            return None
+        if slot.binding.foreign_to(run_id=self.run_id, node=self.node) is not None:
+            return None
+        return slot.binding.step
+
+    def _choose_slot(self) -> int:
+        chosen: bytes | None = None
+        if self.rank == 0:
+            with self._lock:
+                ring = self._ring()
+                free = {s: step for s, step in ring.items() if not self._held.get(s)}
+                index = min(free, key=lambda s: (free[s] is not None, free[s] or 0, s)) if free else -1
+                if index >= 0:
+                    ring[index] = None  # being rewritten: no persist may start on it now
+            chosen = str(index).encode()
+        if self.collective is not None:
+            chosen = self.collective.broadcast(chosen, src=0)
+        assert chosen is not None
+        return int(chosen)
+
+    def _write(self, snap: Snapshot, persist: bool) -> None:
+        step = int(snap.contexts.get("provenance", {}).get("step", 0))
+        try:
+            slot = self._choose_slot()
+            if slot < 0:  # every slot is being persisted: this step has no memory snapshot (never overwrite one)
+                self.skipped += 1
+                log.warning("memory snapshot of step %d skipped: every slot is being persisted", step)
+                return
+            snap.materialize(self.buffers)
+            binding = SlotBinding(
+                run_id=self.run_id,
+                run_dir=normalize_run_url(self.run.url),
+                node=self.node,
+                world_size=self.world_size,
+                step=step,
+            )
+            store = SlotStore(self.tier.slot_path(slot))
+            writer = CheckpointWriter(
+                store, profile="training", overwrite=True, collective=self.collective, metadata=binding.to_metadata()
+            )
+            state.stage_snapshot(writer, snap)
+            try:
+                writer.flush()
+            except BaseException:
+                writer.abort()
+                raise
+        finally:
+            self._copied.set()  # even on failure: never leave the trainer's optimizer blocked
+        ckpt_id = writer.commit()
+        self.newest = (slot, step, ckpt_id)
+        if self.rank == 0:
+            with self._lock:
+                self._ring()[slot] = step
+            if persist:
+                self._submit_persist()
+
+    def _submit_persist(self) -> Future[Persisted | None]:
+        """Persist the newest committed snapshot in the background. One waiting persist at most: a persist
+        still queued when the next is due takes the newer snapshot when it starts (a slow disk drops
+        durable saves; it never makes the trainer wait or persists a stale one after a newer one)."""
+        with self._lock:
+            if self._queued is not None and not self._queued.done():
+                return self._queued
+            future = self._persister.submit(self._persist_newest, None)
+            self._queued = future
+        self._persists.append(future)
+        return future
+
+    def _hold_newest(self) -> tuple[int, int] | None:
+        """Take the newest committed slot out of the ring for a copy: (slot, step), or None."""
+        with self._lock:
+            if self._queued is not None and self._queued.running():
+                self._queued = None  # started: a later due persist queues anew
+            committed = {s: step for s, step in self._ring().items() if step is not None}
+            if not committed:
+                return None
+            slot = max(committed, key=lambda s: committed[s] or 0)
+            self._held[slot] = self._held.get(slot, 0) + 1
+            return slot, committed[slot] or 0
+
+    def _persist_newest(self, duty: float | None) -> Persisted | None:
+        lower_thread_priority()
+        held = self._hold_newest()
+        if held is None:
+            return None
+        slot, _ = held
+        try:
+            done = persist(self.tier.slot_path(slot), self.run, throttle=Throttle(duty or self.persist_duty))
+        except CheckpointExistsError as exc:  # another process persists the same step right now
+            log.warning("memory slot %d not persisted: %s", slot, exc)
+            return None
+        finally:
+            with self._lock:
+                self._held[slot] -= 1
+        if done.status == "conflict":
+            log.warning(
+                "%s holds another checkpoint of step %d: the memory snapshot was not persisted there",
+                done.destination,
+                done.step,
+            )
+        self.last_persisted = done
+        if self.on_persisted is not None:
+            self.on_persisted(done)
+        return done
+
+    # ---------------------------------------------------------------- waiting and shutdown
+
+    def wait_snapshot(self) -> None:
+        """Block until the snapshot in flight is committed; raise its failure."""
+        future, self._inflight = self._inflight, None
+        if future is not None:
+            future.result()
+
+    def wait(self) -> Persisted | None:
+        """The snapshot in flight committed and every persist done; the first failure is raised."""
+        self.wait_snapshot()
+        futures, self._persists = self._persists, []
+        last = None
+        for future in futures:
+            last = future.result() or last
+        return last
+
+    def raise_background_error(self) -> None:
+        if self._inflight is not None and self._inflight.done():
+            self.wait_snapshot()
+        for future in self._persists:
+            if future.done() and future.exception() is not None:
+                self.wait()
+
+    def persist_newest(self) -> Persisted | None:
+        """Persist the newest committed snapshot now, unthrottled, on the calling thread (SIGTERM); None when
+        there is none or this is not rank 0."""
+        if self.rank != 0:
+            return None
+        return self._persist_newest(1.0)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown()
+            self._persister.shutdown()
+            if self._gate is not None:
+                self._gate.remove()
+                self._gate = None
+            self.stop_watcher()
+
+    # ---------------------------------------------------------------- SIGTERM while blocked
+
+    def start_watcher(self, signals: tuple[signal.Signals, ...]) -> None:
+        """Persist the newest snapshot as soon as one of ``signals`` arrives, from a thread of its own.
+
+        A Python signal handler runs only when the main thread returns to the interpreter, which a trainer
+        blocked in a collective with a dead peer never does before torchrun's SIGKILL. The C-level handler
+        writes the signal number to the wakeup fd, which this thread reads at once. Main thread only, and
+        only when nobody else (asyncio) owns the wakeup fd.
+        """
+        if self.rank != 0 or threading.current_thread() is not threading.main_thread():
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._wakeup = (read_fd, write_fd)
+        wanted = {int(s) for s in signals}
+
+        def watch() -> None:
+            while True:
+                try:
+                    data = os.read(read_fd, 64)
+                except OSError:
+                    return
+                if not data:
+                    return
+                if wanted & set(data):
+                    try:
+                        done = self.persist_newest()
+                        if done is not None:
+                            log.warning(
+                                "signal received: memory snapshot of step %d is durable (%s)", done.step, done.status
+                            )
+                    except CheckpointError as exc:
+                        log.error("signal received: the newest memory snapshot could not be persisted: %s", exc)
+
+        self._watcher = threading.Thread(target=watch, name="ckptfmt-sigterm", daemon=True)
+        self._watcher.start()
+
+    def stop_watcher(self) -> None:
+        if self._wakeup is None:
+            return
+        read_fd, write_fd = self._wakeup
+        self._wakeup = None
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+        os.close(write_fd)
+        os.close(read_fd)
