@@ -21,6 +21,7 @@ writer commits (or :meth:`CheckpointWriter.flush` returns).
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -47,6 +48,7 @@ from .plan import FilePlan, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES
 from .storage import Store
 
+log = logging.getLogger("ckptfmt")
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
 COORDINATOR = 0
 
@@ -357,7 +359,8 @@ class CheckpointWriter:
             try:
                 manifest = merge_results(results, profile=self.profile, metadata=self.metadata)
                 written = [f.path for r in results for f in r.files]
-                return encode_status(None, checkpoint_id=self._committer.commit(manifest, written))
+                self.checkpoint_id = self._committer.commit(manifest, written)
+                return encode_status(None, checkpoint_id=self.checkpoint_id)
             except CheckpointError as exc:
                 error = exc
         self._clean_up([f.path for r in results for f in r.files])
@@ -366,10 +369,20 @@ class CheckpointWriter:
     def _commit_collective(self, mine: RankResult) -> str:
         try:
             status = decode_status(self._exchange(encode_status(None, result=mine.to_bytes().decode("utf-8"))))
-        except CheckpointError:
+        except CheckpointError as exc:
             self._closed = True
             self._executor.shutdown()
-            if not self.is_coordinator:  # the coordinator cleaned up every rank's files already
+            if self.is_coordinator and self.checkpoint_id is not None:
+                # Committed, and only telling the other ranks failed (one died after the gather): the
+                # checkpoint is whole and durable, so this rank's save succeeded.
+                log.warning("%s: committed, but a rank did not learn it: %s", self.store.url, exc)
+                return self.checkpoint_id
+            if self.is_coordinator:
+                # The gather failed (a rank vanished): no manifest was written. Drop this rank's own files and
+                # the lock, so a retry in this process is not refused; other ranks' files are left to gc.
                 self._clean_up(self._executor.written)
+            # Any other rank handed its files' records to the coordinator, which may have committed a manifest
+            # listing them before the exchange failed (spec/commit.md COM-19): they are never deleted here.
+            # An uncommitted save's leftovers are the coordinator's to delete, or gc's.
             raise
         return str(status["checkpoint_id"])

@@ -147,10 +147,12 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 150
+    assert len(result.spec) == 152
     assert result.by_tests == {
         "COM-17",
         "COM-18",
+        "COM-19",
+        "COM-20",
         "PTH-5",
         "SAF-17",
         "COM-3",

@@ -1,0 +1,82 @@
+"""The multi-rank commit when the exchange after the commit fails (spec/commit.md COM-19, COM-20).
+
+Ranks run as threads over a ThreadCollective; a rank "dies" by abandoning the group, which makes every
+other rank's pending collective fail at once, as a dead process makes gloo fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from test_multirank import BOUNDS, FULL, run_ranks
+
+import ckptfmt
+from ckptfmt import CollectiveError, ThreadCollective
+from ckptfmt.paths import LOCK_NAME
+
+
+class DiesAfterCommit:
+    """Rank 0's collective: it dies right after the manifest is durable, before telling anyone the outcome."""
+
+    def __init__(self, inner: ThreadCollective) -> None:
+        self.inner = inner
+        self.broadcasts = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        return self.inner.gather(data, dst=dst)
+
+    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
+        self.broadcasts += 1
+        if self.broadcasts == 2:  # the first is the lock's outcome, the second the commit's
+            self.inner.abandon()
+            raise CollectiveError("rank 0 died after the commit")
+        return self.inner.broadcast(data, src=src)
+
+
+def _write(root: Path, rank: int, collective: object) -> str:
+    w = ckptfmt.open_writer(root, profile="weights", collective=collective)  # type: ignore[arg-type]
+    lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+    w.write_tensor("weights", "emb", FULL[lo:hi], global_shape=FULL.shape, offsets=(lo, 0))
+    return w.commit()
+
+
+def test_a_rank_that_loses_the_coordinator_after_reporting_deletes_nothing(tmp_path: Path) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        return _write(tmp_path, rank, DiesAfterCommit(collective) if rank == 0 else collective)
+
+    results = run_ranks(4, body, timeout=5.0)
+    assert all(isinstance(results[r], CollectiveError) for r in (1, 2, 3)), results
+    # The manifest was durable before rank 0 "died": the checkpoint is committed, and whole.
+    report = ckptfmt.verify(tmp_path)
+    assert report.ok, [str(p) for p in report.problems]
+    np.testing.assert_array_equal(ckptfmt.open(tmp_path).read_tensor("weights", "emb"), FULL)
+    assert results[0] == ckptfmt.open(tmp_path).id  # the coordinator's own save succeeded (COM-20)
+
+
+def test_a_coordinator_whose_gather_fails_releases_its_lock_and_files(tmp_path: Path) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        w = ckptfmt.open_writer(tmp_path, profile="weights", collective=collective)
+        lo, hi = BOUNDS[rank], BOUNDS[rank + 1]
+        w.write_tensor("weights", "emb", FULL[lo:hi], global_shape=FULL.shape, offsets=(lo, 0))
+        if rank == 1:
+            collective.abandon()  # dies before the gather
+            return "gone"
+        return w.commit()
+
+    results = run_ranks(2, body, timeout=5.0)  # rows 0-6 of 10: the save could not have committed anyway
+    assert isinstance(results[0], CollectiveError)
+    assert not (tmp_path / LOCK_NAME).exists()
+    assert not any(p.name.startswith("r00000") for p in tmp_path.rglob("*.safetensors"))  # rank 0's own files
+    # the same live process may save there again at once (before the fix: CheckpointLockedError)
+    with ckptfmt.open_writer(tmp_path, profile="weights", overwrite=True) as w:
+        w.write_tensor("weights", "emb", FULL)
+    assert ckptfmt.verify(tmp_path).ok
