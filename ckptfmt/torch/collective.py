@@ -68,22 +68,33 @@ class TorchCollective:
         return payload.numpy().tobytes()
 
     def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        """Lengths gathered to ``dst``, then each payload sent to it point to point: only ``dst`` holds
+        everything, and nobody pads to the longest message (an all-gather made every rank allocate
+        world x the longest)."""
         try:
-            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
-            dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=self._group)
-            sizes = [int(t.item()) for t in lengths]
-            longest = max(sizes)
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            if data:
-                mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
-            if longest:
-                dist.all_gather(slots, mine, group=self._group)
+            mine = torch.tensor([len(data)], dtype=torch.int64)
+            lengths = (
+                [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)] if self._rank == dst else None
+            )
+            dist.gather(mine, lengths, dst=self._global(dst), group=self._group)
+            if self._rank != dst:
+                if data:
+                    dist.send(
+                        torch.frombuffer(bytearray(data), dtype=torch.uint8), self._global(dst), group=self._group
+                    )
+                return None
+            assert lengths is not None
+            out: list[bytes] = []
+            for rank, length in enumerate(int(t.item()) for t in lengths):
+                if rank == dst or not length:
+                    out.append(data if rank == dst else b"")
+                    continue
+                buffer = torch.empty(length, dtype=torch.uint8)
+                dist.recv(buffer, self._global(rank), group=self._group)
+                out.append(buffer.numpy().tobytes())
+            return out
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"rank {self._rank}: gather to rank {dst} failed: {exc}") from exc
-        if self._rank != dst:
-            return None
-        return [slot[:size].numpy().tobytes() for slot, size in zip(slots, sizes, strict=True)]
 
 
 def default_collective(process_group: Any = None, *, timeout: timedelta | None = None) -> TorchCollective | None:
