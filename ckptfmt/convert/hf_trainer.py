@@ -36,7 +36,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,7 @@ from .base import (
     read_range,
     refuse_existing,
 )
+from .bounded import check_graph, children
 from .destination import write_output
 
 TRAINER_STATE = "trainer_state.json"
@@ -296,6 +297,7 @@ def missing_note(fmt: str, missing: Mapping[str, str]) -> str:
 
 MAX_ARGS_BYTES = 16 << 20
 MAX_PICKLE_OPS = 1_000_000
+MAX_PICKLE_VALUES = MAX_PICKLE_OPS  # once shared references are expanded: walking it costs what decoding did
 
 
 @dataclass(slots=True)
@@ -393,7 +395,15 @@ def scan_pickle(data: bytes, url: str) -> object:
         raise SourceFormatError(f"not a readable pickle: {exc}", path=url) from exc
     if len(stack) != 1:
         raise SourceFormatError("the pickle does not end with one object", path=url)
+    # Each opcode above is constant work (a mark pops what was pushed), but a memoised object may be
+    # referenced again and again: what the callers walk is the expansion, bounded here on the graph.
+    # (Depth is no matter here: the scan recursed nowhere, and fields deeper than _is_plain looks are left out.)
+    check_graph(stack[0], url, max_nodes=MAX_PICKLE_VALUES, max_depth=MAX_PICKLE_OPS, inside=_scan_children)
     return stack[0]
+
+
+def _scan_children(value: object) -> Iterable[object] | None:
+    return [value.args, value.state] if isinstance(value, _Opaque) else children(value)
 
 
 _PUSH_ARG = {
@@ -422,6 +432,7 @@ def read_training_args(loc: Location) -> dict[str, object]:
     scanning opcodes: nothing is imported or run. Enums give their value; ``*_token`` fields are dropped."""
     import io
     import zipfile
+    import zlib
 
     data = read_file(loc, MAX_ARGS_BYTES)
     if data[:4] == b"PK\x03\x04":
@@ -431,8 +442,20 @@ def read_training_args(loc: Location) -> dict[str, object]:
                 if member is None or member.file_size > MAX_ARGS_BYTES:
                     raise SourceFormatError("no data.pkl of a sane size in the torch archive", path=loc.url)
                 data = archive.read(member)
-        except zipfile.BadZipFile as exc:
-            raise SourceFormatError(f"not a readable torch archive: {exc}", path=loc.url) from exc
+        except SourceFormatError:
+            raise
+        except (
+            zipfile.BadZipFile,
+            NotImplementedError,
+            RuntimeError,
+            OSError,
+            EOFError,
+            ValueError,
+            zlib.error,
+        ) as exc:
+            # zipfile's own failures on a damaged archive: an unsupported compression method raises
+            # NotImplementedError, an encrypted entry RuntimeError, a bad deflate stream zlib.error (OSError)
+            raise SourceFormatError(f"not a readable torch archive: {type(exc).__name__}: {exc}", path=loc.url) from exc
     root = scan_pickle(data, loc.url)
     if not (isinstance(root, _Opaque) and root.name.endswith("TrainingArguments") and isinstance(root.state, dict)):
         raise SourceFormatError("does not hold a TrainingArguments object", path=loc.url)
@@ -500,6 +523,11 @@ class LazySafetensors(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._items) + len(self._loaded)
 
+    @property
+    def loaded(self) -> Mapping[str, Any]:
+        """The tensors given already loaded (not read lazily)."""
+        return self._loaded
+
     def nbytes(self, name: str) -> int:
         if name in self._loaded:
             return _nbytes(self._loaded[name])
@@ -540,6 +568,11 @@ def _state_dict(loc: Location) -> dict[str, Any]:
     if not isinstance(obj, Mapping) or not all(is_tensor(v) for v in obj.values()):
         raise SourceFormatError("expected a flat dict of tensors (a model state dict)", path=loc.url)
     return {str(k): v for k, v in obj.items()}
+
+
+def _loaded(tensors: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The tensors of a field already in memory (a lazy mapping's safetensors are read only when written)."""
+    return tensors.loaded if isinstance(tensors, LazySafetensors) else tensors
 
 
 def _size(tensors: Mapping[str, Any], name: str) -> int:
@@ -718,15 +751,37 @@ def write_training(
     """Write a training-profile checkpoint: tensor fields one tensor at a time, then the contexts, then commit."""
     import ckptfmt
 
+    from .bounded import check_expansion, dedupe
+
+    # a torch tensor loaded under several names (tied weights, or a hostile file's thousand references to
+    # one tensor) is stored once, the other names recorded as aliases the way ckptfmt.torch records them
+    _, aliases = dedupe(weights.loaded if isinstance(weights, LazySafetensors) else weights)
+    contexts = dict(contexts)
+    if aliases:
+        contexts["weights"] = {**contexts.get("weights", {}), "aliases": aliases}
     tensor_fields = {"weights": weights, "optimizer": optimizer[0], **dict(extra_tensors or {})}
-    progress.start(sum(_size(tensors, name) for tensors in tensor_fields.values() for name in tensors))
+    names = {
+        field: [name for name in tensors if not (field == "weights" and name in aliases)]
+        for field, tensors in tensor_fields.items()
+    }
+    check_expansion(
+        (
+            _loaded(tensors)[name]
+            for field, tensors in tensor_fields.items()
+            for name in names[field]
+            if name in _loaded(tensors)
+        ),
+        result.source,
+    )
+    progress.start(sum(_size(tensors, name) for field, tensors in tensor_fields.items() for name in names[field]))
     options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
     if target_file_size is not None:
         options["target_file_size"] = target_file_size
     with ckptfmt.open_writer(dst, profile="training", **options) as writer:
         for field, tensors in tensor_fields.items():
             writer.write_tensors(field, {})
-            for name, tensor in tensors.items():
+            for name in names[field]:
+                tensor = tensors[name]
                 writer.write_tensor(field, name, tensor)
                 result.tensors += 1
                 result.bytes += _nbytes(tensor)

@@ -55,25 +55,37 @@ class Fields:
     missing: dict[str, str] = field(default_factory=dict)
 
 
-def encode(value: Any, tensors: dict[str, Any], where: str) -> Any:
-    """A nested value as a context value: tensors go to ``tensors`` (named by number), tuples and maps
-    with non-string keys are tagged, so :func:`decode` rebuilds the same structure."""
+def encode(value: Any, tensors: dict[str, Any], where: str, seen: dict[tuple[object, ...], str] | None = None) -> Any:
+    """A nested value as a context value: tensors go to ``tensors`` (named by number, a tensor met again
+    under the same name: stored once), tuples and maps with non-string keys are tagged, so :func:`decode`
+    rebuilds the same structure."""
+    from .bounded import tensor_key
     from .torch_bridge import is_tensor
 
+    seen = {} if seen is None else seen
     if is_tensor(value):
+        key = tensor_key(value)
+        if key is not None and key in seen:
+            return {_TENSOR: seen[key]}
         name = str(len(tensors))
         tensors[name] = value
+        if key is not None:
+            seen[key] = name
         return {_TENSOR: name}
     if value is None or isinstance(value, (bool, int, float, str, bytes, np.ndarray)):
         return value
     if isinstance(value, tuple):
-        return {_TUPLE: [encode(v, tensors, f"{where}.{i}") for i, v in enumerate(value)]}
+        return {_TUPLE: [encode(v, tensors, f"{where}.{i}", seen) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, tensors, f"{where}.{i}") for i, v in enumerate(value)]
+        return [encode(v, tensors, f"{where}.{i}", seen) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: encode(v, tensors, f"{where}.{k}") for k, v in value.items()}
-        return {_ITEMS: [[encode(k, tensors, where), encode(v, tensors, f"{where}.{k}")] for k, v in value.items()]}
+            return {k: encode(v, tensors, f"{where}.{k}", seen) for k, v in value.items()}
+        return {
+            _ITEMS: [
+                [encode(k, tensors, where, seen), encode(v, tensors, f"{where}.{k}", seen)] for k, v in value.items()
+            ]
+        }
     from .torch_bridge import context_value
 
     return context_value(value, where)  # torch.Size, dtype, device: as list or string, else an error
@@ -175,8 +187,10 @@ def join_checkpoint(
     optimizer_context: Mapping[str, Any],
     lightning: Mapping[str, Any],
     extra_tensors: Mapping[str, Any],
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The Lightning dict back from the fields (tensors as numpy arrays or torch tensors)."""
+    """The Lightning dict back from the fields (tensors as numpy arrays or torch tensors); ``aliases`` (the
+    weights context's) name tensors stored once under another name, given back as that same tensor."""
     from .torch_bridge import to_torch
 
     def torch_of(value: Any) -> Any:
@@ -191,6 +205,10 @@ def join_checkpoint(
         raise UsageError("the 'lightning' field does not hold a checkpoint map")
     out: dict[str, Any] = {k: v for k, v in rest.items() if k not in _SPLIT}
     out["state_dict"] = {k: torch_of(v) for k, v in weights.items()}
+    for alias, target in (aliases or {}).items():
+        if target not in out["state_dict"]:
+            raise UsageError(f"weights alias {alias!r} names {target!r}, which is not a weight")
+        out["state_dict"][alias] = out["state_dict"][target]
     if "optimizers" in optimizer_context:
         states = []
         for i, context in enumerate(optimizer_context["optimizers"]):
@@ -215,7 +233,15 @@ def to_checkpoint(ckpt: Any) -> dict[str, Any]:
         ckpt.read_context("optimizer") if ckpt.has_context("optimizer") else {},
         ckpt.read_context("lightning"),
         tensors.get("lightning_tensors", {}),
+        _aliases(ckpt.read_context("weights") if ckpt.has_context("weights") else {}),
     )
+
+
+def _aliases(context: Mapping[str, Any]) -> dict[str, str]:
+    found = context.get("aliases") or {}
+    if not isinstance(found, Mapping) or not all(isinstance(v, str) for v in found.values()):
+        raise UsageError("the weights context's 'aliases' must map names to tensor names")
+    return {str(k): v for k, v in found.items()}
 
 
 def import_lightning(

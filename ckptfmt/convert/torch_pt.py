@@ -29,6 +29,7 @@ from .base import (
     locate,
     open_local,
 )
+from .bounded import check_expansion, check_graph, dedupe
 from .torch_bridge import Split, find_optimizers, pop_path, split_tree
 
 SUFFIXES = (".pt", ".bin", ".pth")
@@ -51,10 +52,13 @@ def find_file(loc: Location) -> Location:
 
 
 def load(loc: Location) -> Any:
-    """``torch.load(weights_only=True)`` of a local or remote file; memory-mapped when local."""
+    """``torch.load(weights_only=True)`` of a local or remote file; memory-mapped when local. The value is
+    bounded (:func:`~ckptfmt.convert.bounded.check_graph`) before any converter walks it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on pickle protocols are not the operator's concern
-        return _load(loc)
+        value = _load(loc)
+    check_graph(value, loc.url)
+    return value
 
 
 def _load(loc: Location) -> Any:
@@ -134,7 +138,12 @@ def import_pt(
     progress = progress or NoProgress()
     loc = find_file(locate(src, storage_options))
     weights, optimizer, opt_paths = split_state(load(loc), loc.url)
+    if "aliases" not in weights.rest:  # a tensor under several names (tied weights) is stored once
+        weights.tensors, aliases = dedupe(weights.tensors)
+        if aliases:
+            weights.rest["aliases"] = aliases
     parts = [("weights", weights)] + ([("optimizer", optimizer)] if optimizer is not None else [])
+    check_expansion((t for _, part in parts for t in part.tensors.values()), loc.url)
     total = sum(int(t.numel()) * t.element_size() for _, part in parts for t in part.tensors.values())
     progress.start(total)
     result = ConvertResult(source=loc.url, source_format="pt", destination=dst, destination_format="ckptfmt")
