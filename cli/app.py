@@ -10,7 +10,7 @@ import ckptfmt
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ckptfmt.__version__, prog_name="ckpt")
 def cli() -> None:
-    """Inspect, verify, list, diff, convert and garbage-collect ckptfmt checkpoints (local paths or fsspec URLs)."""
+    """Inspect, verify, list, diff, convert, collect and rescue ckptfmt checkpoints (local paths or fsspec URLs)."""
 
 
 from .conformance import conformance_cmd  # noqa: E402
@@ -20,6 +20,7 @@ from .dump import dump_cmd  # noqa: E402
 from .gc import gc_cmd  # noqa: E402
 from .inspect import inspect_cmd  # noqa: E402
 from .ls import ls_cmd  # noqa: E402
+from .rescue import rescue_cmd  # noqa: E402
 from .verify import verify_cmd  # noqa: E402
 
 cli.add_command(inspect_cmd)
@@ -29,4 +30,5 @@ cli.add_command(diff_cmd)
 cli.add_command(convert_cmd)
 cli.add_command(dump_cmd)
 cli.add_command(gc_cmd)
+cli.add_command(rescue_cmd)
 cli.add_command(conformance_cmd)

@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableDataLoader
+from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableDataLoader, prewarm
 
 
 @dataclass(frozen=True)
@@ -328,6 +328,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    prewarm()  # what the first step and the restore import lazily, imported while the process group forms
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(steps=args.steps)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .api import Restored, capture, load, save, topology
 from .loader import InexactResumeWarning, ResumableDataLoader
-from .manager import CheckpointManager
+from .manager import CheckpointManager, RestoreReport
+from .prewarm import prewarm
 from .sampler import DatasetIdentity, ResumableSampler
 
 __all__ = [
@@ -18,8 +19,10 @@ __all__ = [
     "Restored",
     "ResumableDataLoader",
     "ResumableSampler",
+    "RestoreReport",
     "capture",
     "load",
+    "prewarm",
     "save",
     "topology",
 ]

@@ -98,7 +98,7 @@ class MemorySnapshots:
         self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-persist")
         self._inflight: Future[None] | None = None
         self._persists: list[Future[Persisted | None]] = []
-        self._queued: Future[Persisted | None] | None = None  # a persist submitted, not started yet
+        self._waiting: int | None = None  # the slot of the persist queued behind the running one
         self._held: dict[int, int] = {}  # slot -> number of persists copying it (out of the ring meanwhile)
         self._lock = threading.Lock()
         self._slot_steps: dict[int, int | None] | None = None  # rank 0's view of the ring
@@ -205,7 +205,7 @@ class MemorySnapshots:
                     if ring[index] is not None and (ring[index] or 0) > candidate.step:
                         ring[index] = None
                 ring[slot] = candidate.step
-            self._submit_persist()
+            self._submit_persist(slot)
 
     # ---------------------------------------------------------------- snapshots
 
@@ -302,40 +302,36 @@ class MemorySnapshots:
             with self._lock:
                 self._ring()[slot] = step
             if persist:
-                self._submit_persist()
+                self._submit_persist(slot)
 
-    def _submit_persist(self) -> Future[Persisted | None]:
-        """Persist the newest committed snapshot in the background. One waiting persist at most: a persist
-        still queued when the next is due takes the newer snapshot when it starts (a slow disk drops
-        durable saves; it never makes the trainer wait or persists a stale one after a newer one)."""
-        with self._lock:
-            if self._queued is not None and not self._queued.done():
-                return self._queued
-            future = self._persister.submit(self._persist_newest, None)
-            self._queued = future
-        self._persists.append(future)
-        return future
+    def _submit_persist(self, slot: int) -> None:
+        """Persist ``slot`` (just committed) in the background; it stays out of the ring until copied.
 
-    def _hold_newest(self) -> tuple[int, int] | None:
-        """Take the newest committed slot out of the ring for a copy: (slot, step), or None."""
+        At most one persist waits behind the one running: a newer one due meanwhile replaces it (its slot goes
+        back to the ring), so a disk slower than the durable cadence drops durable saves, never stalls the
+        trainer, and never persists an older step after a newer one.
+        """
         with self._lock:
-            if self._queued is not None and self._queued.running():
-                self._queued = None  # started: a later due persist queues anew
-            committed = {s: step for s, step in self._ring().items() if step is not None}
-            if not committed:
-                return None
-            slot = max(committed, key=lambda s: committed[s] or 0)
             self._held[slot] = self._held.get(slot, 0) + 1
-            return slot, committed[slot] or 0
+            if self._waiting is not None:
+                dropped = self._waiting
+                self._held[dropped] -= 1
+                log.warning("durable save from memory slot %d dropped: a newer one is due before it started", dropped)
+            self._waiting = slot
+        self._persists.append(self._persister.submit(self._persist_waiting))
 
-    def _persist_newest(self, duty: float | None) -> Persisted | None:
-        lower_thread_priority()
-        held = self._hold_newest()
-        if held is None:
+    def _persist_waiting(self) -> Persisted | None:
+        with self._lock:
+            slot, self._waiting = self._waiting, None
+        if slot is None:  # replaced by a newer one, which an earlier task already took
             return None
-        slot, _ = held
+        return self._persist_held(slot, self.persist_duty)
+
+    def _persist_held(self, slot: int, duty: float) -> Persisted | None:
+        """Copy a slot already held out of the ring; release it afterwards."""
+        lower_thread_priority()
         try:
-            done = persist(self.tier.slot_path(slot), self.run, throttle=Throttle(duty or self.persist_duty))
+            done = persist(self.tier.slot_path(slot), self.run, throttle=Throttle(duty))
         except CheckpointExistsError as exc:  # another process persists the same step right now
             log.warning("memory slot %d not persisted: %s", slot, exc)
             return None
@@ -382,7 +378,13 @@ class MemorySnapshots:
         there is none or this is not rank 0."""
         if self.rank != 0:
             return None
-        return self._persist_newest(1.0)
+        with self._lock:
+            committed = {s: step for s, step in self._ring().items() if step is not None}
+            if not committed:
+                return None
+            slot = max(committed, key=lambda s: committed[s] or 0)
+            self._held[slot] = self._held.get(slot, 0) + 1
+        return self._persist_held(slot, 1.0)
 
     def close(self) -> None:
         try:
