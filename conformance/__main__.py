@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
         out = args.out or VECTORS
         generate(out)
+        if out == VECTORS:  # the digest an installed suite checks its generated tree against
+            from .suite import DIGEST_FILE, tree_digest
+
+            DIGEST_FILE.write_text(tree_digest(out) + "\n", encoding="ascii")
         print(f"vectors written to {out}")
         return 0
     from .traceability import trace
@@ -81,9 +85,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_vectors(out: Path | None) -> int:
+    from ckptfmt.errors import CheckpointError
+
     from .suite import vectors_root
 
-    root = vectors_root()
+    try:
+        root = vectors_root()
+    except CheckpointError as exc:
+        print(f"cannot use the conformance vectors: {exc}", file=sys.stderr)
+        return 2
     if out is None:
         print(root)
         return 0

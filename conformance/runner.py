@@ -10,7 +10,10 @@ directory as the scenario says.
 from __future__ import annotations
 
 import json
+import os
+import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -40,16 +43,22 @@ def _read(stream: IO[bytes], limit: int) -> str:
 
 
 def call(cmd: list[str], *args: Path, timeout: float = TIMEOUT) -> Exchange:
-    """Run the adapter with its output in files (bounded reads; a grandchild holding a pipe cannot hang us)."""
+    """Run the adapter with its output in files (bounded reads; a grandchild holding a pipe cannot hang us).
+
+    The adapter runs in a process group of its own, killed whole when the call ends however it ends
+    (answered, timed out, or interrupted): a hung adapter's children, or a daemon it left behind,
+    never outlive the call. (A process that leaves the group with setsid() is beyond any runner.)
+    """
     argv = (*cmd, *map(str, args))
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        answered = False
         try:
-            status: int | None = subprocess.run(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, timeout=timeout, check=False
-            ).returncode
-        except subprocess.TimeoutExpired:
-            status = None
+            answered = _exited(proc, timeout)
+        finally:
+            _kill_group(proc)
+        status = proc.returncode if answered else None
         seconds = time.monotonic() - start
         return Exchange(
             argv=argv,
@@ -59,6 +68,33 @@ def call(cmd: list[str], *args: Path, timeout: float = TIMEOUT) -> Exchange:
             seconds=seconds,
             timeout=timeout,
         )
+
+
+def _exited(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether the adapter exits within ``timeout``, waited for without reaping it: until it is reaped its pid,
+    the group's id, cannot be given to another process, so killing the group cannot hit a stranger."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (not Linux, or before 5.3): reap, and accept the tiny race
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return bool(ready)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the adapter's process group (its own pid: start_new_session), then reap the adapter."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone: every process of it has exited
+    proc.wait()
 
 
 def _json(path: Path) -> Any:

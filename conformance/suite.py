@@ -6,6 +6,12 @@ the PTH-3 vectors nor, through setuptools' globs, the hidden files of the LAY-4 
 suite regenerates the tree on first use with its own (deterministic, byte-identical: see
 tests/test_conformance_install.py) generator, into a cache directory keyed by everything that can
 change the bytes, and every run prints the tree's digest so that two runs can be compared.
+
+The cache is a directory anyone with the user's rights can write: a tree placed there would be used
+as it is (vectors that every reader passes). So the digest of the committed tree ships with the
+package (``vectors.sha256``, written by ``python -m conformance generate``) and a cached tree is used
+only when it has that digest; another is generated again, and a generated tree without that digest
+(another version of a package whose output is in the bytes) is refused, not run.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import ckptfmt
+from ckptfmt.errors import DigestMismatchError
 
 from . import HERE, VECTORS
 from .results import Suite
 
 CACHE_ENV = "CKPTFMT_CONFORMANCE_CACHE"
+DIGEST_FILE = HERE / "vectors.sha256"  # the committed tree's tree_digest, shipped as package data
 ID = re.compile(r"[A-Z]+-[0-9]+")
 # third-party packages whose output can end up in a vector's bytes
 _BYTES_FROM = ("numpy", "ml_dtypes", "msgpack", "safetensors", "zstandard", "xxhash")
@@ -73,11 +81,22 @@ def cache_root() -> Path:
     return Path(base) / "ckptfmt" / "conformance"
 
 
+def shipped_digest() -> str:
+    """The digest of the vector tree this release was built with (``sha256:<hex>``)."""
+    return DIGEST_FILE.read_text(encoding="ascii").strip()
+
+
 def cached_vectors(root: Path | None = None) -> Path:
-    """The vector tree of this installation, generated once into the cache (atomically: a rename)."""
+    """The vector tree of this installation, generated once into the cache (atomically: a rename), and
+    used only when its digest is :func:`shipped_digest`'s (DigestMismatchError when generation cannot
+    give that tree here)."""
+    expected = shipped_digest()
     target = (root or cache_root()) / f"vectors-{ckptfmt.__version__}-{_fingerprint()}"
-    if (target / "valid").is_dir():
-        return target
+    if target.is_dir() or target.is_symlink():
+        if not target.is_symlink() and tree_digest(target) == expected:
+            return target
+        print(f"{target} is not the vector tree this release ships: generating it again", file=sys.stderr)
+        _discard(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     print(f"generating the conformance vectors into {target} (once)", file=sys.stderr)
@@ -85,14 +104,31 @@ def cached_vectors(root: Path | None = None) -> Path:
 
     try:
         generate(tmp)
+        if (found := tree_digest(tmp)) != expected:
+            raise DigestMismatchError(
+                f"the vectors generated here have digest {found}, not the {expected} this release ships: "
+                f"a package whose output is in their bytes ({', '.join(_BYTES_FROM)}) differs from the build's",
+                path=str(target),
+            )
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / "valid").is_dir():  # not a concurrent run that got there first
+            # a concurrent run got there first: its tree is used only with the shipped digest
+            if not (target.is_dir() and not target.is_symlink() and tree_digest(target) == expected):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _discard(path: Path) -> None:
+    """Move a tree that is not ours out of the way, then delete it (rmtree follows no symlink)."""
+    aside = path.with_name(f"{path.name}.bad-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(path, aside)
+    if aside.is_symlink():
+        aside.unlink()
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def vectors_root(explicit: Path | None = None) -> Path:

@@ -7,6 +7,7 @@ hand-made results, so the failure paths are checked without running a whole suit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -335,6 +336,8 @@ def test_an_installed_suite_generates_its_vectors_once_into_the_cache(
         (out / "valid" / "v" / ".hidden").write_text("x")
 
     monkeypatch.setattr("ckptfmt.conformance.generate.generate", fake_generate)
+    fake_digest = "sha256:" + hashlib.sha256(b"Fvalid/v/.hidden\x001\x00x").hexdigest()  # what tree_digest gives
+    monkeypatch.setattr("ckptfmt.conformance.suite.shipped_digest", lambda: fake_digest)
     first = cached_vectors(tmp_path)
     assert cached_vectors(tmp_path) == first and len(calls) == 1
     assert calls[0].parent == first.parent and calls[0] != first  # written aside, then renamed into place
