@@ -183,6 +183,19 @@ def extra_fields() -> dict[str, Any]:
     )
 
 
+def memory_snapshot() -> dict[str, Any]:
+    """A training checkpoint as the memory tier writes it into a slot: its binding in the metadata (MEM-3)."""
+    doc = training_base()
+    doc["metadata"] = {
+        "ckptfmt.memory.run_id": "3f2c9e1a-elastic-run",
+        "ckptfmt.memory.run_dir": "/data/runs/gpt",
+        "ckptfmt.memory.node": "node-07/7d1c2f4e-5a9b-4c1e-9f3a-2b6d8e0c1a47",
+        "ckptfmt.memory.world_size": "8",
+        "ckptfmt.memory.step": "1200",
+    }
+    return doc
+
+
 def _deep(levels: int) -> object:
     value: object = 0
     for _ in range(levels):
@@ -422,6 +435,13 @@ VALID: tuple[Valid, ...] = (
         "A real multi-rank save: uneven row shards from four ranks, each its own data file; the data field's "
         "context written by rank 2 (data/context.r00002.msgpack); a replicated tensor written once, by rank 0.",
         ranks_input,
+    ),
+    Valid(
+        "memory-snapshot",
+        ("MEM-1", "MEM-3"),
+        "A memory snapshot (spec/memory.md): a training checkpoint whose metadata binds it to its run, node and step; "
+        "a reader reads it as any checkpoint.",
+        memory_snapshot,
     ),
     Valid(
         "extra-fields",
