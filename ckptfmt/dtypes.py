@@ -57,16 +57,20 @@ def from_numpy(dtype: np.dtype[np.generic]) -> str:
         raise DTypeError(f"numpy dtype {dtype} has no safetensors equivalent") from None
 
 
+MAX_DIMS = 64  # numpy's NPY_MAXDIMS (2.x): an empty tensor of more dimensions passes every size check, then fails
 MAX_EXTENT = 1 << 63  # numpy's limit (ssize_t): no dimension, and no array's byte size, may reach it
 
 
 def shape_size_problem(shape: tuple[int, ...] | list[int], item: int) -> str | None:
-    """Why an array of ``shape`` and item size ``item`` cannot exist in memory (TEN-23, SAF-14), or None.
+    """Why an array of ``shape`` and item size ``item`` cannot exist in memory (TEN-23, SAF-14), or None:
+    more than :data:`MAX_DIMS` dimensions, a dimension of 2**63 or more, or 2**63 bytes or more.
 
     Zero dimensions are left out of the product: numpy refuses ``np.empty((0, 2**62, 2**62))`` too, so an
     empty tensor with astronomically large other dimensions would pass every size check and then fail
     (or spin) in whoever reads it.
     """
+    if len(shape) > MAX_DIMS:
+        return f"shape has {len(shape)} dimensions, more than the {MAX_DIMS} an array may have"
     count = item
     for d in shape:
         if d >= MAX_EXTENT:

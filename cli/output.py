@@ -12,9 +12,23 @@ from typing import Any
 import click
 import numpy as np
 
+# Python refuses str() of an int of more than 4,300 digits (ValueError; quadratic time below that), and a
+# context may hold a bigint of any size (CTX-11): larger ones are shown by their size, as ckptfmt.describe
+# refuses to describe them past the same bound (2,467 digits).
+MAX_INT_BITS = 8192
+
+
+def printable_int(value: int) -> int | str:
+    """``value``, or a short description of it when it is too large to print in decimal."""
+    bits = value.bit_length()
+    return value if bits <= MAX_INT_BITS else f"<{'negative ' if value < 0 else ''}integer of {bits} bits>"
+
 
 def jsonable(value: object) -> Any:
-    """A context value as JSON: arrays and bytes become short descriptions, not data."""
+    """A context value as JSON: arrays and bytes become short descriptions, not data; so do integers too
+    large to print."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return printable_int(value)
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -29,7 +43,8 @@ def jsonable(value: object) -> Any:
 
 
 def emit_json(document: object) -> None:
-    click.echo(json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False))
+    # jsonable: a value straight from a checkpoint (a bigint step) must not crash the encoder
+    click.echo(json.dumps(jsonable(document), indent=2, ensure_ascii=False, allow_nan=False))
 
 
 def info(message: str) -> None:
@@ -48,7 +63,7 @@ def human_bytes(n: int) -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Columns aligned to their widest cell, numbers right-aligned."""
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(jsonable(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     numeric = [all(isinstance(row[i], int) for row in rows) and bool(rows) for i in range(len(headers))]
     lines = []

@@ -335,3 +335,79 @@ def test_hostile_msgpack_raises_context_error_quickly_in_bounded_memory(name: st
         tracemalloc.stop()
     assert info.value.requirement == requirement and info.value.path == "p/context.msgpack"
     assert peak < 16 << 20
+
+
+# ---------------------------------------------------------------- issue 23: more dimensions than numpy holds
+
+
+def _many_dims_checkpoint(url: Path, ndim: int) -> None:
+    """An empty F32 tensor ``e`` of ``ndim`` zero dimensions (numpy cannot even make one past 64): written with
+    shape [0], then its manifest record and data file header rewritten, sizes and digests kept true."""
+    from ckptfmt.digests import digest_of
+
+    with ckptfmt.open_writer(url, profile="weights") as w:
+        w.write_tensor("weights", "e", np.zeros((0,), np.float32))
+        w.write_context("provenance", {"created_at": "2026-01-01T00:00:00Z"})
+    doc = json.loads((url / "manifest.json").read_bytes())
+    header = json.dumps({"e": {"dtype": "F32", "shape": [0] * ndim, "data_offsets": [0, 0]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = len(header).to_bytes(8, "little") + header
+    (url / PATH).write_bytes(data)
+    record = doc["fields"]["weights"]["tensors"]["e"]
+    record["shape"] = [0] * ndim
+    chunk = record["chunks"][0]
+    chunk.update(offsets=[0] * ndim, shape=[0] * ndim, range=[len(data), len(data)])
+    for entry in doc["files"]:
+        if entry["path"] == PATH:
+            entry.update(size=len(data), digest=digest_of(entry["digest"].partition(":")[0], data))
+    (url / "manifest.json").write_bytes(manifest_bytes(doc))
+
+
+def test_an_empty_tensor_of_more_dimensions_than_numpy_holds_is_refused_at_open(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _many_dims_checkpoint(url, 101)
+    with pytest.raises(ManifestError) as info:
+        ckptfmt.open(url)
+    assert info.value.requirement == "TEN-23" and info.value.tensor == "e" and "101 dimensions" in info.value.message
+    for command in (("dump", str(url)), ("dump", "--canonical", str(url)), ("verify", str(url))):
+        result = run_cli(*command)
+        out = result.stdout + result.stderr
+        assert result.exit_code == 1 and "invalid_manifest" in out and "101 dimensions" in out, out
+
+
+def test_an_empty_tensor_of_64_dimensions_still_reads(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _many_dims_checkpoint(url, 64)
+    with ckptfmt.open(url) as c:
+        assert c.read_tensor("weights", "e").shape == (0,) * 64
+
+
+@pytest.mark.parametrize(("ndim", "refused"), [(64, False), (65, True), (101, True)])
+def test_a_header_entry_of_more_dimensions_than_numpy_holds_is_refused(ndim: int, refused: bool) -> None:
+    header, size = header_file({"e": {"dtype": "F32", "shape": [0] * ndim, "data_offsets": [0, 0]}})
+    if not refused:
+        assert parse_header(header, size, PATH)["e"].shape == (0,) * ndim
+        return
+    with pytest.raises(SafetensorsHeaderError) as info:
+        parse_header(header, size, PATH)
+    assert info.value.requirement == "SAF-14" and "'e'" in info.value.message
+
+
+# ---------------------------------------------------------------- issue 23: context integers too long to print
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_context_integer_of_more_than_4300_digits_is_shown_by_its_size(tmp_path: Path, sign: int) -> None:
+    url = tmp_path / "runs" / "ck"
+    step = sign * 10**5000
+    with ckptfmt.open_writer(url, profile="weights") as w:
+        w.write_tensor("weights", "w", np.zeros(2, np.float32))
+        w.write_context("provenance", {"created_at": "2026-01-01T00:00:00Z", "step": step, "x": [step]})
+    bits = f"integer of {step.bit_length()} bits"
+    for command in (("inspect", str(url)), ("ls", str(url.parent))):
+        result = run_cli(*command)
+        assert result.exit_code == 0 and bits in result.stdout, result.stdout + result.stderr
+        result = run_cli(*command, "--json")
+        assert result.exit_code == 0 and bits in result.stdout, result.stdout + result.stderr
+        json.loads(result.stdout)
+    assert run_cli("inspect", "--json", str(url)).json()["step"] == f"<{'negative ' * (sign < 0)}{bits}>"
