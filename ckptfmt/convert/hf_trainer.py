@@ -85,13 +85,9 @@ TORCH_CUDA = "torch.cuda"
 
 
 def load_torch_file(loc: Location, *, numpy_arrays: bool = False) -> Any:
-    """``torch.load(weights_only=True)``; with ``numpy_arrays``, numpy arrays are allowed too (RNG states)."""
-    if not numpy_arrays:
-        return torch_pt.load(loc)
-    import torch
-
-    with torch.serialization.safe_globals(numpy_globals()):
-        return torch_pt.load(loc)
+    """``torch.load(weights_only=True)``; with ``numpy_arrays``, numpy arrays are allowed too (RNG states),
+    for this load only (other threads' loads and the user's own allow-list are left as they are)."""
+    return torch_pt.load(loc, allow=numpy_globals() if numpy_arrays else ())
 
 
 def numpy_globals() -> list[Any]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, SourceFormatError
@@ -51,14 +53,74 @@ def find_file(loc: Location) -> Location:
     return loc.join(found[0])
 
 
-def load(loc: Location) -> Any:
+def load(loc: Location, *, allow: Sequence[Any] = ()) -> Any:
     """``torch.load(weights_only=True)`` of a local or remote file; memory-mapped when local. The value is
-    bounded (:func:`~ckptfmt.convert.bounded.check_graph`) before any converter walks it."""
-    with warnings.catch_warnings():
+    bounded (:func:`~ckptfmt.convert.bounded.check_graph`) before any converter walks it.
+
+    ``allow`` adds globals to torch's allow-list for this load, in this thread only (:func:`allowed`).
+    """
+    with warnings.catch_warnings(), allowed(allow):
         warnings.simplefilter("ignore")  # torch's notes on pickle protocols are not the operator's concern
         value = _load(loc)
     check_graph(value, loc.url)
     return value
+
+
+_scope = threading.local()  # .names: {"module.qualname": object} this thread's load allows
+_install_lock = threading.Lock()
+_installed: list[bool] = []
+
+
+@contextmanager
+def allowed(extra: Sequence[Any]) -> Iterator[None]:
+    """Allow ``extra`` globals in ``torch.load(weights_only=True)`` calls of this thread, inside the block.
+
+    torch's own ``safe_globals`` context manager edits one process-wide set: while it is open every
+    thread's weights_only load accepts those globals, and on exit it removes them even where the user had
+    registered them (``add_safe_globals``) before. Instead, torch's reader of that set is wrapped, once,
+    to add what the current thread's block allows; the set itself is never touched. A torch without that
+    reader falls back to ``safe_globals``, putting back the user's own registrations afterwards.
+    """
+    if not extra:
+        yield
+        return
+    import torch
+    import torch._weights_only_unpickler as unpickler
+
+    names = {f"{g.__module__}.{g.__qualname__}": g for g in extra}
+    if _install(unpickler):
+        outer = getattr(_scope, "names", None)
+        _scope.names = {**(outer or {}), **names}
+        try:
+            yield
+        finally:
+            _scope.names = outer
+        return
+    before = set(torch.serialization.get_safe_globals())
+    try:
+        with torch.serialization.safe_globals(list(extra)):
+            yield
+    finally:
+        kept = [g for g in extra if g in before]
+        if kept:
+            torch.serialization.add_safe_globals(kept)
+
+
+def _install(unpickler: Any) -> bool:
+    """Wrap torch's reader of the user allow-list so it also returns this thread's scoped globals."""
+    with _install_lock:
+        if not _installed:
+            original = getattr(unpickler, "_get_user_allowed_globals", None)
+            if callable(original):
+
+                def user_allowed_globals() -> dict[str, Any]:
+                    names = getattr(_scope, "names", None)
+                    found: dict[str, Any] = original()
+                    return {**found, **names} if names else found
+
+                unpickler._get_user_allowed_globals = user_allowed_globals
+            _installed.append(callable(original))
+        return _installed[0]
 
 
 def _load(loc: Location) -> Any:
