@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import socket
 import subprocess
@@ -33,13 +34,20 @@ def git_state(cwd: str | None = None) -> dict[str, object] | None:
 
 
 def versions(*packages: str) -> dict[str, str]:
+    return dict(_versions(packages))
+
+
+@functools.lru_cache(maxsize=8)
+def _versions(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    # Installed versions do not change under a running process; reading package metadata costs ~4 ms a call,
+    # which a memory snapshot every step would pay every step.
     out = {"python": platform.python_version(), "ckptfmt": __version__}
     for name in packages:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    return out
+    return tuple(out.items())
 
 
 def capture(

@@ -8,6 +8,9 @@
 4. ``ckpt ls`` the run directory and ``ckpt verify`` the final checkpoint (every byte re-hashed).
 5. Compare: the per-step losses of 2+3 against 1, and ``ckpt diff`` of the two final checkpoints
    (``--ignore provenance``: the time, host and parent of two runs always differ). Both must be identical.
+6. The memory tier: the run again with a snapshot in node memory every step and durable saves every 8
+   steps, SIGKILLed at step 14, between two durable saves; started again, it resumes at step 14 from
+   memory (from disk it would lose 6 steps) and still ends bit-identical to 1.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ TRAIN = HERE / "train.py"
 # tree's ckptfmt/, where cli/ is not mapped to ckptfmt.cli (only an install maps it).
 CKPT = [str(Path(sys.executable).with_name("ckpt"))]
 STEPS, KILL, EVERY = 24, 12, 4
+MEMORY_EVERY, MEMORY_KILL = 8, 14  # durable saves at 8 and 16: the kill falls between them
 
 
 def banner(text: str) -> None:
@@ -95,6 +99,26 @@ def main() -> None:
     run([*CKPT, "diff", str(out / "reference" / final), str(out / "run" / final), "--ignore", "provenance"])
     if not same:
         sys.exit("story: the resumed run diverged")
+
+    banner(f"6. the memory tier: a snapshot every step, durable every {MEMORY_EVERY}; SIGKILL at step {MEMORY_KILL}")
+    memory = ["--memory-every", "1", "--memory-dir", str(out / "node-memory"), "--every", str(MEMORY_EVERY)]
+    killed = train(
+        out / "memory-run",
+        out / "memory-losses-1.json",
+        *memory,
+        "--kill-at-step",
+        str(MEMORY_KILL),
+        expect=-signal.SIGKILL,
+    )
+    durable = sorted(p.name for p in (out / "memory-run").glob("step-*"))
+    print(f"  killed after step {killed[-1][0]}; durable checkpoints: {', '.join(durable)}")
+    resumed = train(out / "memory-run", out / "memory-losses-2.json", *memory)
+    print(f"  resumed at step {resumed[0][0] - 1} from node memory (without it: step {MEMORY_EVERY}), ran to {STEPS}")
+    run([*CKPT, "verify", str(out / "memory-run" / final)])
+    ignore = ["--ignore", "provenance", "--ignore", "metadata.ckptfmt.memory.*"]
+    run([*CKPT, "diff", str(out / "reference" / final), str(out / "memory-run" / final), *ignore])
+    if resumed[0][0] - 1 != MEMORY_KILL or killed + resumed != reference:
+        sys.exit("story: the memory tier did not resume at the step it died at, bit for bit")
     print(
         "\nThe killed-and-resumed run reproduced the uninterrupted one bit for bit "
         f"({time.perf_counter() - started:.1f} s)."

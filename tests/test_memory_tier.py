@@ -138,10 +138,12 @@ def test_a_crashed_run_resumes_from_memory_at_its_last_step_bit_identical(
     assert {**first.losses, **resumed.losses} == reference.losses  # every step's loss, the same bits
     for name, value in reference.weights.items():
         assert torch.equal(resumed.weights[name], value), name
-    # the restored snapshot is made durable in the background, and the durable saves of the resumed run too
-    steps = [e.step for e in RunDirectory(run_dir).entries() if e.status == "committed"]
-    assert {5, 7, 10}.issubset(steps)
-    assert ckptfmt.verify(run_dir / "step-000000007").ok
+    # The restored snapshot is made durable in the background, and the resumed run's durable saves too; a
+    # copy that starts after its slot was rewritten takes the newest snapshot instead (timing decides which).
+    entries = [e for e in RunDirectory(run_dir).entries() if e.status == "committed"]
+    steps = {e.step for e in entries}
+    assert 5 in steps and steps & {7, 8, 9} and steps & {10, 11, 12}, steps
+    assert all(ckptfmt.verify(run_dir / e.name).ok for e in entries)
 
 
 def test_a_flipped_byte_in_the_newest_slot_falls_back_to_the_previous_one(

@@ -83,6 +83,8 @@ def test_the_resumed_run_is_bit_identical_to_an_uninterrupted_one(runs: dict[str
 def test_durable_saves_came_from_memory_and_verify(runs: dict[str, Any]) -> None:
     tmp: Path = runs["tmp"]
     durable = sorted(p.name for p in (tmp / "killed").iterdir() if (p / "manifest.json").exists())
-    assert f"step-{STEPS:09d}" in durable and f"step-{EVERY:09d}" in durable
+    # the final save, and at least one before it (step 4, or a later snapshot when the copy of step 4 started
+    # after its slot was rewritten: spec/memory.md, persisting)
+    assert durable[-1] == f"step-{STEPS:09d}" and len(durable) >= 2, durable
     verify = subprocess.run([str(CKPT), "verify", str(tmp / "killed" / f"step-{STEPS:09d}")], capture_output=True)
     assert verify.returncode == 0, verify.stdout

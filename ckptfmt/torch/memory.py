@@ -98,7 +98,7 @@ class MemorySnapshots:
         self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-persist")
         self._inflight: Future[None] | None = None
         self._persists: list[Future[Persisted | None]] = []
-        self._waiting: int | None = None  # the slot of the persist queued behind the running one
+        self._waiting: tuple[int, int] | None = None  # (slot, step) of the persist queued behind the running one
         self._held: dict[int, int] = {}  # slot -> number of persists copying it (out of the ring meanwhile)
         self._lock = threading.Lock()
         self._slot_steps: dict[int, int | None] | None = None  # rank 0's view of the ring
@@ -305,26 +305,37 @@ class MemorySnapshots:
                 self._submit_persist(slot)
 
     def _submit_persist(self, slot: int) -> None:
-        """Persist ``slot`` (just committed) in the background; it stays out of the ring until copied.
+        """Persist the snapshot just committed in ``slot`` in the background.
 
-        At most one persist waits behind the one running: a newer one due meanwhile replaces it (its slot goes
-        back to the ring), so a disk slower than the durable cadence drops durable saves, never stalls the
-        trainer, and never persists an older step after a newer one.
+        Only a running copy holds its slot out of the ring; one waiting behind it does not (two held slots
+        would leave a two-slot ring nowhere to write). At most one waits: a newer one due meanwhile replaces
+        it. A waiting copy whose slot was rewritten before it started takes the newest committed snapshot
+        instead, so a disk slower than the durable cadence makes durable saves sparser or later, never
+        stalls the trainer, never skips a memory snapshot, and never persists an older step after a newer.
         """
         with self._lock:
-            self._held[slot] = self._held.get(slot, 0) + 1
+            step = self._ring().get(slot)
             if self._waiting is not None:
-                dropped = self._waiting
-                self._held[dropped] -= 1
-                log.warning("durable save from memory slot %d dropped: a newer one is due before it started", dropped)
-            self._waiting = slot
+                log.warning("durable save of step %s dropped: step %s is due before it started", self._waiting[1], step)
+            self._waiting = (slot, step if step is not None else -1)
         self._persists.append(self._persister.submit(self._persist_waiting))
 
     def _persist_waiting(self) -> Persisted | None:
         with self._lock:
-            slot, self._waiting = self._waiting, None
-        if slot is None:  # replaced by a newer one, which an earlier task already took
-            return None
+            waiting, self._waiting = self._waiting, None
+            if waiting is None:  # replaced by a newer one, which an earlier task already took
+                return None
+            slot, step = waiting
+            ring = self._ring()
+            if ring.get(slot) != step:  # rewritten since: the newest committed snapshot instead
+                committed = {s: st for s, st in ring.items() if st is not None}
+                if not committed:
+                    return None
+                slot = max(committed, key=lambda s: committed[s] or 0)
+                log.warning(
+                    "durable save of step %d taken from step %s: its slot was rewritten first", step, committed[slot]
+                )
+            self._held[slot] = self._held.get(slot, 0) + 1
         return self._persist_held(slot, self.persist_duty)
 
     def _persist_held(self, slot: int, duty: float) -> Persisted | None:

@@ -1,0 +1,237 @@
+"""The memory tier against today's saves, in one run: the trainer's cost per snapshot, durable saves made from
+memory against async saves, and the time from a kill to the first resumed step from memory against from disk.
+
+    python bench/memory_tier.py [--mib 16 64 256] [--steps 24] [--every 8] [--json FILE]
+
+For each state size (weights + two AdamW moments, float32, per rank; one rank, CPU, one training thread)
+one process trains an MLP through phases, each ``--steps`` steps, same model and data:
+
+- ``plain``: no checkpoint at all (the baseline step time);
+- ``memory``: ``CheckpointManager(memory_every=1)`` with durable saves off (every step a snapshot): the
+  trainer's blocking time per snapshot (capture on the trainer's thread plus ``optimizer.step()`` held for
+  the background copy) and the step-time inflation against ``plain``; beside it the peer a trainer would
+  write by hand, ``torch.save(state_dict)`` into the same tmpfs on the trainer's thread;
+- ``memory+durable``: memory every step, durable every ``--every`` steps made from memory (a byte copy of
+  the slot, throttled): median step time while a persist is in flight;
+- ``async``: today's ``CheckpointManager(async_save=True)`` every ``--every`` steps: median step time while
+  its save is in flight.
+
+Then the recovery: a worker process trains to a step past the last durable save, is SIGKILLed, and a fresh
+process resumes; once with the memory tier (restores from memory), once without (restores from the run
+directory, losing the steps since the durable save). Phases of the restart: process start and imports,
+restore, first step (detection is the launcher's: torchrun's ``--monitor-interval``, 0.1-5 s). No
+assertion: the figures depend on the machine; they go to the README with the command that made them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WIDTH = 512
+
+
+def build(mib: int) -> tuple[Any, Any, Any]:
+    import torch
+    from torch import nn
+
+    from ckptfmt.torch import ResumableSampler
+
+    layers = max(1, (mib << 20) // (3 * 4 * WIDTH * WIDTH))  # weights + two AdamW moments, float32
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(layers)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), ResumableSampler(1 << 16, seed=0)
+
+
+def step(model: Any, optimizer: Any, batch: int) -> None:
+    import torch
+
+    x = torch.randn(batch, WIDTH)
+    loss = model(x).square().mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def phase(name: str, args: argparse.Namespace, mib: int, work: Path) -> dict[str, Any]:
+    import torch
+
+    from ckptfmt.torch import CheckpointManager
+
+    model, optimizer, sampler = build(mib)
+    step(model, optimizer, args.batch)  # optimizer state exists from here on
+    options: dict[str, Any] = {"keep_last": 2, "preemption_signals": ()}
+    every = args.every if name in ("memory+durable", "async") else 10**9
+    if name.startswith("memory"):
+        options.update(memory_every=1, memory_dir=work / "shm")
+    if name == "async":
+        options["async_save"] = True
+    mgr = CheckpointManager(work / name, **options) if name not in ("plain", "torch.save") else None
+    times, busy, stalls = [], [], []
+    for i in range(1, args.steps + 1):
+        sampler.advance(args.batch)
+        inflight = mgr is not None and _in_flight(mgr)
+        start = time.perf_counter()
+        step(model, optimizer, args.batch)
+        mid = time.perf_counter()
+        if mgr is not None:
+            mgr.checkpoint_if_due(i, every=every, model=model, optimizer=optimizer, sampler=sampler, config={"m": mib})
+        elif name == "torch.save":
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, work / "shm-torch.pt")
+        end = time.perf_counter()
+        times.append(end - start)
+        stalls.append(end - mid)
+        if inflight:
+            busy.append(end - start)
+    out: dict[str, Any] = {"step_s": statistics.median(times[2:]), "stall_s": statistics.median(stalls[2:])}
+    if busy:
+        out["step_while_persisting_s"] = statistics.median(busy)
+        out["steps_while_persisting"] = len(busy)
+    if mgr is not None:
+        memory = mgr._memory
+        if memory is not None and memory.snapshots:
+            out["blocking_s"] = (memory.capture_seconds + memory.held_seconds) / memory.snapshots
+            out["held_s"] = memory.held_seconds / memory.snapshots
+            out["skipped"] = memory.skipped
+        if name == "async":
+            out["held_s"] = mgr.held_seconds / max(1, args.steps // args.every)
+        mgr.close()
+        if memory is not None and memory.last_persisted is not None:
+            out["persist_s"] = memory.last_persisted.seconds
+    return out
+
+
+def _in_flight(mgr: Any) -> bool:
+    memory = mgr._memory
+    if memory is not None:
+        return any(not f.done() for f in memory._persists)
+    return mgr._inflight is not None and not mgr._inflight.done()
+
+
+WORKER = """
+import json, os, signal, sys, time
+t0 = float(sys.argv[5])
+sys.path.insert(0, sys.argv[6])
+import torch
+from memory_tier import build, step
+from ckptfmt.torch import CheckpointManager, prewarm
+warm = prewarm()  # as a restarted worker does while its process group forms
+imported = time.time()
+mib, run_dir, shm, kill_at = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+model, optimizer, sampler = build(mib)
+options = {"memory_every": 1, "memory_dir": shm} if shm != "-" else {}
+mgr = CheckpointManager(run_dir, keep_last=2, **options)
+built = time.time()
+warm.join()
+step_no = mgr.restore_latest(model=model, optimizer=optimizer, sampler=sampler, config={"m": mib}) or 0
+restored = time.time()
+report = mgr.last_restore.to_dict() if mgr.last_restore else None
+while True:
+    sampler.advance(64)
+    step(model, optimizer, 64)
+    step_no += 1
+    if kill_at < 0:
+        print(json.dumps({"imported": imported - t0, "built": built - imported, "restored": restored - built,
+                          "first_step": time.time() - restored, "report": report}), flush=True)
+        mgr.close()
+        sys.exit(0)
+    mgr.checkpoint_if_due(step_no, every=8, model=model, optimizer=optimizer, sampler=sampler, config={"m": mib})
+    if step_no == kill_at:
+        mgr.wait_memory() if options else mgr.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def recovery(mib: int, memory: bool, work: Path) -> dict[str, Any]:
+    run_dir, shm = work / f"recover-{memory}", work / "shm-recover" if memory else "-"
+    script = work / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).resolve().parent)
+    base = [sys.executable, str(script), str(mib), str(run_dir), str(shm)]
+    subprocess.run([*base, "13", "0", here], env=env, check=False, capture_output=True)  # killed after step 13
+    start = time.time()
+    done = subprocess.run([*base, "-1", str(start), here], env=env, check=True, capture_output=True, text=True)
+    total = time.time() - start
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    out["kill_to_first_step"] = total
+    out["resumed_step"] = out["report"]["step"] if out["report"] else None
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, nargs="+", default=[16, 64, 256], help="state sizes per rank, MiB")
+    p.add_argument("--steps", type=int, default=24, help="steps per phase")
+    p.add_argument("--every", type=int, default=8, help="durable cadence of the memory+durable and async phases")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--dir", help="where to write (default: a temporary directory on local disk, removed afterwards)")
+    p.add_argument("--json", type=Path, help="write every figure as JSON")
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # one core trains, the other is free for the background work
+    work = Path(args.dir or tempfile.mkdtemp(prefix="ckptfmt-memory-bench-"))
+    shm_parent = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
+    results: dict[str, Any] = {}
+    try:
+        for mib in args.mib:
+            figures: dict[str, Any] = {}
+            for name in ("plain", "torch.save", "memory", "memory+durable", "async"):
+                scratch = work / f"{mib}-{name}"
+                scratch.mkdir(parents=True)
+                (scratch / "shm").symlink_to(Path(tempfile.mkdtemp(dir=shm_parent)), target_is_directory=True)
+                figures[name] = phase(name, args, mib, scratch)
+                shutil.rmtree((scratch / "shm").resolve(), ignore_errors=True)
+                print(f"{mib} MiB {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
+            rec = work / f"{mib}-recovery"
+            rec.mkdir()
+            (rec / "shm-recover").symlink_to(Path(tempfile.mkdtemp(dir=shm_parent)), target_is_directory=True)
+            figures["recover_memory"] = recovery(mib, True, rec)
+            figures["recover_durable"] = recovery(mib, False, rec)
+            shutil.rmtree((rec / "shm-recover").resolve(), ignore_errors=True)
+            results[str(mib)] = figures
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(
+        "| state/rank | step | snapshot blocks trainer | step at memory_every=1 | torch.save to tmpfs | "
+        "step while persisting from memory | step while async save | kill→first step: memory | : run dir |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mib, f in results.items():
+        base = f["plain"]["step_s"]
+
+        def x(v: float) -> str:
+            return f"{v / base:.2f}x"
+
+        mem, dur, asy = f["memory"], f["memory+durable"], f["async"]
+        rm, rd = f["recover_memory"], f["recover_durable"]
+        print(
+            f"| {mib} MiB | {base * 1e3:.0f} ms | {mem.get('blocking_s', 0) * 1e3:.1f} ms "
+            f"| {x(mem['step_s'])} | {f['torch.save']['stall_s'] * 1e3:.1f} ms "
+            f"| {x(dur.get('step_while_persisting_s', dur['step_s']))} "
+            f"| {x(asy.get('step_while_persisting_s', asy['step_s']))} "
+            f"| {rm['kill_to_first_step']:.2f} s (step {rm['resumed_step']}; start+import {rm['imported']:.2f}, "
+            f"build {rm['built']:.2f}, restore {rm['restored']:.2f}, first step {rm['first_step']:.2f}) "
+            f"| {rd['kill_to_first_step']:.2f} s (step {rd['resumed_step']}; restore {rd['restored']:.2f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()
