@@ -22,10 +22,14 @@ TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 CKPT = Path(sys.executable).with_name("ckpt")
 STEPS, EVERY = 10, 4  # durable every 4 steps: a kill between them loses steps without the memory tier
+JOB = "ckptfmt-memory-test"
 
 
-def launch(run_dir: Path, losses: Path, *args: str, restarts: int = 0) -> subprocess.Popen[str]:
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", f"--max-restarts={restarts}", "--monitor-interval=0.2"]
+def launch(run_dir: Path, losses: Path, *args: str, restarts: int = 0, job: str | None = None) -> subprocess.Popen[str]:
+    """torchrun on 2 ranks; ``job`` fixes the run id (TORCHELASTIC_RUN_ID), as a relaunched job keeps it."""
+    rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}"] if job else ["--standalone"]
+    cmd = [str(TORCHRUN), *rdzv, "--nnodes=1", "--nproc-per-node=2", f"--max-restarts={restarts}"]
+    cmd += ["--monitor-interval=0.2"]
     cmd += [str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
     cmd += ["--keep-last", "100", "--losses-out", str(losses), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -45,6 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         *("--memory-every", "1", "--memory-dir", str(tmp / "shm")),
         *("--kill-at-step", str(kill_step), "--kill-rank", str(kill_rank)),
         restarts=1,
+        job=JOB,
     )
     out: dict[str, Any] = {"tmp": tmp, "kill_step": kill_step, "kill_rank": kill_rank}
     for name, proc in (("reference", reference), ("killed", killed)):
@@ -88,3 +93,26 @@ def test_durable_saves_came_from_memory_and_verify(runs: dict[str, Any]) -> None
     assert durable[-1] == f"step-{STEPS:09d}" and len(durable) >= 2, durable
     verify = subprocess.run([str(CKPT), "verify", str(tmp / "killed" / f"step-{STEPS:09d}")], capture_output=True)
     assert verify.returncode == 0, verify.stdout
+
+
+def test_a_shard_bad_on_one_rank_makes_every_rank_fall_back(runs: dict[str, Any]) -> None:
+    """The job relaunched (same run id): the newest slot has a byte flipped in a data file only rank 1 reads
+    (FSDP: each rank reads its own region); rank 0 could use the slot, but both fall back together."""
+    tmp: Path = runs["tmp"]
+    shm = tmp / "shm"
+    slots = {}
+    for slot in shm.glob("run-*/slot-*"):
+        manifest = json.loads((slot / "manifest.json").read_text())
+        slots[int(manifest["metadata"]["ckptfmt.memory.step"])] = slot
+    newest = slots[max(slots)]
+    target = max(newest.glob("optimizer/r00001-*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[-5] ^= 0x10
+    target.write_bytes(bytes(data))
+    again = launch(tmp / "killed", tmp / "again.json", "--memory-every", "1", "--memory-dir", str(shm), job=JOB)
+    stdout, stderr = again.communicate(timeout=600)
+    assert again.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    report = json.loads(re.search(r"restore report: (\{.*\})", stdout).group(1))  # type: ignore[union-attr]
+    assert report["step"] == max(slots) and report["tier"] == "durable", report  # same step, from disk
+    assert any("another rank cannot use it" in s and str(newest) in s for s in report["skipped"]), report
+    assert "DigestMismatchError" in stderr and "r00001" in stderr  # rank 1 said why
