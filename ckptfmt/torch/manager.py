@@ -465,8 +465,8 @@ class CheckpointManager:
             self.last_checkpoint_id = restored.checkpoint_id
             self._step = restored.step if restored.step is not None else entry_step
             _log_topology_change(entry_name, snap.contexts.get("topology", {}), api.topology())
-            if candidate.memory is not None and self._memory is not None:
-                self._memory.restored(candidate.memory)
+            if self._memory is not None:
+                self._memory.restored(self._step if self._step is not None else -1, candidate.memory)
             self.last_restore = RestoreReport(
                 step=self._step,
                 tier=candidate.tier,

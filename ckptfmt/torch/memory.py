@@ -193,18 +193,22 @@ class MemorySnapshots:
             for s, u, i in json.loads(self.collective.broadcast(data, src=0))
         ]
 
-    def restored(self, candidate: MemoryCandidate) -> None:
-        """After a restore from ``candidate``: it is the newest snapshot, and (rank 0) it is persisted in the
-        background unless the run directory has it, so it outlives this node."""
-        slot = int(candidate.url.rstrip("/").rpartition("-")[2])
-        self.newest = (slot, candidate.step, candidate.checkpoint_id)
-        if self.rank == 0:
-            with self._lock:
-                ring = self._ring()
-                for index in ring:  # newer slots (another run's, torn ones) are not this run's to persist
-                    if ring[index] is not None and (ring[index] or 0) > candidate.step:
-                        ring[index] = None
-                ring[slot] = candidate.step
+    def restored(self, step: int, candidate: MemoryCandidate | None) -> None:
+        """After a restore of ``step`` (from ``candidate``, or from the run directory when None): slots holding a
+        newer step are not this trajectory's (they failed, or another rank could not use them) and go back to the
+        ring to be rewritten, never persisted; a restored snapshot the run directory lacks is persisted in the
+        background (rank 0), so it outlives this node."""
+        slot = int(candidate.url.rstrip("/").rpartition("-")[2]) if candidate is not None else None
+        if candidate is not None and slot is not None:
+            self.newest = (slot, candidate.step, candidate.checkpoint_id)
+        if self.rank != 0:
+            return
+        with self._lock:
+            ring = self._ring()
+            for index, held in ring.items():
+                if held is not None and (held > step or (held == step and index != slot)):
+                    ring[index] = None
+        if slot is not None:
             self._submit_persist(slot)
 
     # ---------------------------------------------------------------- snapshots
