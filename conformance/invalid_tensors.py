@@ -111,6 +111,13 @@ VECTORS: tuple[Invalid, ...] = (
         huge_empty([0, 1 << 63]),
         also=("SAF-14",),
     ),
+    Invalid(
+        "tensor-too-many-dimensions",
+        ("TEN-23",),
+        "Empty tensor e has 65 dimensions, [0, 1, 1, ...] (its header entry says the same): more than any array holds.",
+        huge_empty([0] + [1] * 64),
+        also=("SAF-14",),
+    ),
     Invalid("tensor-chunks-missing", ("TEN-5",), "Tensor w has no chunks.", delete((*W, "chunks"))),
     Invalid("chunk-path-missing", ("TEN-6",), "A chunk without path.", delete((*C, "path"))),
     Invalid("chunk-key-missing", ("TEN-7",), "A chunk without key.", delete((*C, "key"))),
