@@ -50,7 +50,10 @@ def decode_status(data: bytes) -> dict[str, object]:
     if not isinstance(doc, dict):
         raise CollectiveError("a rank's status is not an object")
     if "error" in doc:
-        raise error_from_dict({str(k): str(v) for k, v in dict(doc["error"]).items()})
+        reported = doc["error"]
+        if not isinstance(reported, dict):
+            raise CollectiveError("a rank's status carries a malformed error")
+        raise error_from_dict({str(k): str(v) for k, v in reported.items()})
     ok = doc.get("ok")
     return dict(ok) if isinstance(ok, dict) else {}
 

@@ -39,7 +39,7 @@ from .collective import Collective, decode_status, encode_status
 from .commit import Committer
 from .context import encode
 from .digests import DEFAULT_ALGORITHM, new_hasher
-from .errors import CheckpointError, CollectiveError, UsageError
+from .errors import CheckpointError, CollectiveError, MissingFileError, SizeMismatchError, UsageError
 from .executor import WriteExecutor
 from .fields import check_standard_field
 from .manifest import RAW
@@ -351,18 +351,20 @@ class CheckpointWriter:
         error: CheckpointError | None = None
         for rank, data in enumerate(gathered):
             try:
-                status = decode_status(data)
-                results.append(RankResult.from_bytes(str(status["result"]).encode("utf-8")))
+                results.append(_rank_result(rank, data))
             except CheckpointError as exc:
                 error = error or exc.locate(path=f"rank {rank}")
         if error is None:
             try:
+                _check_visible(self.store, results)
                 manifest = merge_results(results, profile=self.profile, metadata=self.metadata)
                 written = [f.path for r in results for f in r.files]
                 self.checkpoint_id = self._committer.commit(manifest, written)
                 return encode_status(None, checkpoint_id=self.checkpoint_id)
             except CheckpointError as exc:
                 error = exc
+            except Exception as exc:  # every rank waits for an answer: whatever fails here, they get one
+                error = CollectiveError(f"the coordinator failed to commit: {exc!r}")
         self._clean_up([f.path for r in results for f in r.files])
         return encode_status(error)
 
@@ -386,3 +388,41 @@ class CheckpointWriter:
             # An uncommitted save's leftovers are the coordinator's to delete, or gc's.
             raise
         return str(status["checkpoint_id"])
+
+
+def _rank_result(rank: int, data: bytes) -> RankResult:
+    """A rank's report, parsed as the hostile input it may be: a CheckpointError naming the rank, never a raw one."""
+    status = decode_status(data)  # raises the rank's own error if it reported one
+    raw = status.get("result")
+    if not isinstance(raw, str):
+        raise CollectiveError(f"rank {rank} reported success without its result")
+    result = RankResult.from_bytes(raw.encode("utf-8"))
+    if result.rank != rank:
+        raise CollectiveError(f"rank {rank} reported the result of rank {result.rank}")
+    return result
+
+
+def _check_visible(store: Store, results: list[RankResult]) -> None:
+    """Every file a rank reported is there, at its size, for the coordinator (spec/commit.md COM-21).
+
+    Ranks whose storage is not shared (a per-node local directory) each write successfully, and a manifest
+    committed from their reports alone would list files the coordinator's storage does not hold. One
+    listing, not one request per file (a thousand ranks' files on an object store).
+    """
+    present = store.list()
+    for result in results:
+        for record in result.files:
+            size = present.get(record.path)
+            if size is None:
+                raise MissingFileError(
+                    f"rank {result.rank} wrote it, but the coordinator does not see it: do all ranks write to "
+                    "the same storage?",
+                    path=record.path,
+                    requirement="COM-21",
+                )
+            if size != record.size:
+                raise SizeMismatchError(
+                    f"is {size} bytes for the coordinator, rank {result.rank} reported {record.size}",
+                    path=record.path,
+                    requirement="COM-21",
+                )

@@ -1,4 +1,4 @@
-"""The multi-rank commit when the exchange after the commit fails (spec/commit.md COM-19, COM-20).
+"""The multi-rank commit when the exchange fails or a rank's report cannot be trusted (spec/commit.md COM-19..21).
 
 Ranks run as threads over a ThreadCollective; a rank "dies" by abandoning the group, which makes every
 other rank's pending collective fail at once, as a dead process makes gloo fail.
@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from test_multirank import BOUNDS, FULL, run_ranks
 
 import ckptfmt
 from ckptfmt import CollectiveError, ThreadCollective
+from ckptfmt.errors import CheckpointError, MissingFileError
 from ckptfmt.paths import LOCK_NAME
 
 
@@ -80,3 +82,68 @@ def test_a_coordinator_whose_gather_fails_releases_its_lock_and_files(tmp_path: 
     with ckptfmt.open_writer(tmp_path, profile="weights", overwrite=True) as w:
         w.write_tensor("weights", "emb", FULL)
     assert ckptfmt.verify(tmp_path).ok
+
+
+class SendsInstead:
+    """A rank's collective that sends ``payload`` in place of its report (a buggy or hostile rank)."""
+
+    def __init__(self, inner: ThreadCollective, payload: bytes) -> None:
+        self.inner = inner
+        self.payload = payload
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        return self.inner.gather(self.payload, dst=dst)
+
+    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
+        return self.inner.broadcast(data, src=src)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xff not json",
+        b"[1, 2]",
+        b'{"ok": {}}',  # success without its records
+        b'{"ok": {"result": 7}}',
+        b'{"ok": {"result": "{\\"rank\\": 1}"}}',
+        b'{"error": [1, 2]}',
+        b'{"ok": {"result": "{\\"rank\\":0,\\"files\\":[],\\"chunks\\":[],\\"contexts\\":{},\\"tensor_fields\\":[]}"}}',
+    ],
+    ids=[
+        "not-json",
+        "not-an-object",
+        "no-result",
+        "result-not-text",
+        "result-malformed",
+        "error-malformed",
+        "other-rank",
+    ],
+)
+def test_a_malformed_report_fails_the_save_on_every_rank_with_a_library_error(tmp_path: Path, payload: bytes) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        return _write(tmp_path, rank, SendsInstead(collective, payload) if rank == 1 else collective)
+
+    results = run_ranks(4, body, timeout=5.0)
+    assert all(isinstance(r, CheckpointError) for r in results), results  # nobody hangs, nothing raw escapes
+    assert "rank 1" in str(results[0])
+    assert not (tmp_path / "manifest.json").exists() and not (tmp_path / LOCK_NAME).exists()
+
+
+def test_ranks_that_do_not_share_storage_commit_nothing(tmp_path: Path) -> None:
+    """Each rank writes its own directory (a per-node disk): every rank's write succeeds, the commit must not."""
+
+    def body(rank: int, collective: ThreadCollective) -> str:
+        return _write(tmp_path / f"node-{rank}", rank, collective)
+
+    results = run_ranks(4, body, timeout=5.0)
+    assert all(isinstance(r, MissingFileError) for r in results), results
+    assert "same storage" in str(results[0]) and results[0].requirement == "COM-21"  # type: ignore[union-attr]
+    assert not (tmp_path / "node-0" / "manifest.json").exists()
