@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ckptfmt
-from ckptfmt.errors import DigestMismatchError, MemoryCapacityError
+from ckptfmt.errors import DigestMismatchError, MemoryCapacityError, UnsafePathError
 from ckptfmt.run import RunDirectory
 from ckptfmt.tier import find_slots, persist, read_slot
 from ckptfmt.tier import ring as ring_module
@@ -296,3 +296,35 @@ def test_memory_every_zero_changes_nothing(tmp_path: Path) -> None:
     assert not any(
         k.startswith("ckptfmt.memory.") for k in ckptfmt.open(tmp_path / "run" / "step-000000005").manifest.metadata
     )
+
+
+def test_a_slot_planted_as_a_symlink_is_neither_read_nor_written_through(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_dir, shm = dirs
+    train(run_dir, shm, stop_at=2)  # makes the run's memory directory and both slots
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep")
+    shutil.copytree(newest_slot(shm, run_dir), victim, dirs_exist_ok=True)  # a valid checkpoint of this run
+    slot = next(Path(s.path) for s in find_slots(shm, str(run_dir)) if s.step != 2)
+    shutil.rmtree(slot)
+    slot.symlink_to(victim, target_is_directory=True)
+    assert read_slot(slot).status == "invalid" and "symlink" in (read_slot(slot).reason or "")
+    with pytest.raises(UnsafePathError):
+        train(run_dir, shm, stop_at=4)  # the ring comes to the planted slot: refused, loudly
+    assert (victim / "precious.txt").read_text() == "keep"
+    assert ckptfmt.open(victim).verify().ok  # nothing rewritten there
+
+
+def test_a_slot_with_a_malformed_binding_is_ignored(dirs: tuple[Path, Path]) -> None:
+    run_dir, shm = dirs
+    train(run_dir, shm, stop_at=6)
+    newest = newest_slot(shm, run_dir)
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["metadata"]["ckptfmt.memory.step"] = "-1"
+    (newest / "manifest.json").unlink()
+    (newest / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, separators=(",", ":")))
+    assert read_slot(newest).status == "invalid" and "ckptfmt.memory.step" in (read_slot(newest).reason or "")
+    resumed = train(run_dir, shm, stop_at=7)
+    assert resumed.restore.step < 6  # the other slot, or the durable step 5

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..errors import CheckpointError, CheckpointNotFoundError, MemoryCapacityError, UsageError
+from ..errors import CheckpointError, CheckpointNotFoundError, MemoryCapacityError, UnsafePathError, UsageError
 from ..manifest import Manifest, checkpoint_id, parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..reader import read_manifest_bytes
@@ -71,8 +72,11 @@ class Slot:
 def read_slot(path: str | os.PathLike[str], index: int = 0) -> Slot:
     """The state of the slot directory ``path`` (never raises for what it finds there)."""
     text = os.fspath(path)
-    if not os.path.isdir(text):
+    problem = private_dir_problem(text)
+    if problem == "absent":
         return Slot(index=index, path=text, status="empty")
+    if problem is not None:
+        return Slot(index=index, path=text, status="invalid", reason=problem)
     store = SlotStore(text)
     try:
         files = store.list()
@@ -98,6 +102,28 @@ def read_slot(path: str | os.PathLike[str], index: int = 0) -> Slot:
     return Slot(
         index=index, path=text, status="committed", size=size, binding=binding, checkpoint_id=checkpoint_id(data)
     )
+
+
+def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is not a directory of this user's that a slot may live in: "absent", or a reason; None if it is.
+
+    The memory directory is usually under ``/dev/shm``, which every user may write: a slot or run directory
+    planted there as a symlink, or owned by another user, would make a snapshot write (and its clean-up of
+    an old slot's files) happen somewhere else, and a restore read someone else's state.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return f"cannot be examined: {exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink; memory slots follow none"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not this process's ({os.geteuid()})"
+    return None
 
 
 def slot_manifest(slot: Slot) -> Manifest:
@@ -144,9 +170,27 @@ class MemoryTier:
     def ensure(self) -> None:
         """Make the run's directory (the memory directory itself must exist or be creatable)."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.memory_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.root.mkdir(exist_ok=True, mode=0o700)
         except OSError as exc:
             raise MemoryCapacityError(f"cannot create the memory directory: {exc}", path=str(self.root)) from exc
+        problem = private_dir_problem(self.root)
+        if problem is not None:
+            raise UnsafePathError(problem, path=str(self.root))
+
+    def writable_slot(self, index: int) -> str:
+        """The path of slot ``index``, made if absent; UnsafePathError when it is not a directory of ours."""
+        path = self.slot_path(index)
+        problem = private_dir_problem(path)
+        if problem == "absent":
+            try:
+                os.mkdir(path, mode=0o700)
+            except FileExistsError:
+                pass  # another rank of the node made it first
+            problem = private_dir_problem(path)
+        if problem is not None:
+            raise UnsafePathError(problem, path=path)
+        return path
 
     def check_capacity(self, per_slot: int) -> None:
         """Refuse, before writing anything, slots that do not fit: ``per_slot`` is what one snapshot of this

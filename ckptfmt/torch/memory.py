@@ -288,7 +288,7 @@ class MemorySnapshots:
                 world_size=self.world_size,
                 step=step,
             )
-            store = SlotStore(self.tier.slot_path(slot))
+            store = SlotStore(self.tier.writable_slot(slot))
             writer = CheckpointWriter(
                 store, profile="training", overwrite=True, collective=self.collective, metadata=binding.to_metadata()
             )
