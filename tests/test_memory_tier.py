@@ -328,3 +328,18 @@ def test_a_slot_with_a_malformed_binding_is_ignored(dirs: tuple[Path, Path]) -> 
     assert read_slot(newest).status == "invalid" and "ckptfmt.memory.step" in (read_slot(newest).reason or "")
     resumed = train(run_dir, shm, stop_at=7)
     assert resumed.restore.step < 6  # the other slot, or the durable step 5
+
+
+def test_durable_saves_from_memory_take_the_managers_codec(dirs: tuple[Path, Path], reference: Outcome) -> None:
+    run_dir, shm = dirs
+    train(run_dir, shm, stop_at=5, codec="zstd")
+    slot_ids = {ckptfmt.open(s.path).id for s in find_slots(shm, str(run_dir)) if s.status == "committed"}
+    with ckptfmt.open(run_dir / "step-000000005") as ckpt:
+        assert ckpt.verify().ok
+        # re-encoded from a snapshot (this model's tensors are below zstd's minimum size, so they stay raw)
+        assert ckpt.read_context("provenance")["converted_from"]["checkpoint_id"] in slot_ids
+        assert ckpt.id not in slot_ids
+    resumed = train(run_dir, None)  # from the encoded durable checkpoint alone
+    assert resumed.restore.step == 5 and resumed.weights.keys() == reference.weights.keys()
+    for name, value in reference.weights.items():
+        assert torch.equal(resumed.weights[name], value), name

@@ -119,10 +119,18 @@ def persist(
     step: int | None = None,
     throttle: Throttle | None = None,
     update_latest: bool = True,
+    codec: str | None = None,
 ) -> Persisted:
     """Copy the committed checkpoint at ``source`` into ``run`` as ``step-<step>`` (default: the step of its
     memory binding). Already there with the same id: nothing to do. Another checkpoint there: ``conflict``,
-    left alone. ``update_latest`` points ``latest.json`` at it when it is the run's newest step."""
+    left alone. ``update_latest`` points ``latest.json`` at it when it is the run's newest step.
+
+    ``codec`` (``"zstd"``, ``"zstd:LEVEL"``): the durable copy is re-encoded with it instead (memory snapshots
+    stay raw: encoding every step would cost the trainer's CPU); its checkpoint id is then its own, and its
+    provenance's ``converted_from`` names the snapshot.
+    """
+    if codec is not None and codec != "raw":
+        return _persist_encoded(source, run, step=step, codec=codec, update_latest=update_latest)
     throttle = throttle or Throttle()
     started = time.perf_counter()
     src = open_store(source)
@@ -186,3 +194,48 @@ def _advance_latest(run: RunDirectory, name: str, step: int, ckpt_id: str) -> No
     if isinstance(current_step, int) and current_step > step:
         return
     run.set_latest(name, step, ckpt_id)
+
+
+def _persist_encoded(
+    source: str | os.PathLike[str], run: RunDirectory, *, step: int | None, codec: str, update_latest: bool
+) -> Persisted:
+    from ..convert.native import reencode
+    from ..reader import open_checkpoint
+
+    started = time.perf_counter()
+    src = open_store(source)
+    data = read_manifest_bytes(src)
+    manifest = parse_manifest(data)
+    snapshot_id = checkpoint_id(data)
+    if step is None:
+        step = SlotBinding.from_metadata(manifest.metadata).step
+    name = checkpoint_name(step)
+    destination = run.child_url(name)
+    status: PersistStatus = "persisted"
+    nbytes = 0
+    ckpt_id = snapshot_id
+    existing = _existing_id(open_store(destination, run.storage_options))
+    if existing is not None:
+        with open_checkpoint(destination, run.storage_options) as ckpt:
+            origin = ckpt.read_context("provenance").get("converted_from") if "provenance" in ckpt.fields else None
+        same = isinstance(origin, dict) and origin.get("checkpoint_id") == snapshot_id
+        status, ckpt_id = ("already durable" if same or existing == snapshot_id else "conflict"), existing
+    else:
+        try:
+            result = reencode(str(source), destination, storage_options=run.storage_options, codec=codec)
+        except CheckpointExistsError:
+            return _persist_encoded(source, run, step=step, codec=codec, update_latest=update_latest)
+        ckpt_id = result.checkpoint_id or snapshot_id
+        nbytes = sum(f.size for f in manifest.files)
+        if update_latest:
+            _advance_latest(run, name, step, ckpt_id)
+    return Persisted(
+        source=src.url,
+        destination=destination,
+        name=name,
+        step=step,
+        checkpoint_id=ckpt_id,
+        status=status,
+        bytes=nbytes,
+        seconds=time.perf_counter() - started,
+    )

@@ -119,6 +119,7 @@ class CheckpointManager:
                 slots=memory_slots,
                 collective=dedicated,
                 persist_duty=persist_duty,
+                codec=codec,
                 on_persisted=self._on_persisted,
             )
         self._previous_handlers: dict[signal.Signals, Any] = {}

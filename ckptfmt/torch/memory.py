@@ -77,6 +77,7 @@ class MemorySnapshots:
         slots: int,
         collective: Collective | None,
         persist_duty: float = 0.5,
+        codec: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
         on_persisted: Callable[[Persisted], None] | None = None,
@@ -89,6 +90,7 @@ class MemorySnapshots:
         self.run_id = run_identity(run.url)
         self.world_size = collective.world_size if collective is not None else 1
         self.persist_duty = persist_duty
+        self.codec = codec  # of durable saves; memory snapshots are raw
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.on_persisted = on_persisted
@@ -346,7 +348,7 @@ class MemorySnapshots:
         """Copy a slot already held out of the ring; release it afterwards."""
         lower_thread_priority()
         try:
-            done = persist(self.tier.slot_path(slot), self.run, throttle=Throttle(duty))
+            done = persist(self.tier.slot_path(slot), self.run, throttle=Throttle(duty), codec=self.codec)
         except CheckpointExistsError as exc:  # another process persists the same step right now
             log.warning("memory slot %d not persisted: %s", slot, exc)
             return None
