@@ -103,3 +103,18 @@ def test_sigterm_while_the_trainer_is_blocked_is_handled_by_the_watcher(tmp_path
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_ckpt_rescue_after_a_sigkill_makes_the_last_step_durable(tmp_path: Path) -> None:
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    proc = start(run_dir, shm, "--steps", "20", "--every", "100", "--kill-at-step", "6")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert not (run_dir / "step-000000006").exists()  # durable saves every 100 steps: only memory has it
+    ckpt = Path(sys.executable).with_name("ckpt")
+    done = subprocess.run([str(ckpt), "rescue", str(shm), str(run_dir), "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    statuses = {s["slot"]["step"]: s["status"] for s in json.loads(done.stdout)["slots"]}
+    assert statuses[6] == "persisted", statuses
+    assert ckptfmt.verify(run_dir / "step-000000006").ok
+    assert json.loads((run_dir / "latest.json").read_text())["step"] == 6

@@ -89,7 +89,7 @@ def train(run_dir: Path, memory_dir: Path | None, *, stop_at: int | None = None,
                 break
         if step == stop_at:
             mgr.wait_memory()  # the snapshot of this step is committed; then the process "dies"
-            mgr.close()
+            mgr.close(persist=False)  # nothing more persisted than a SIGKILL would have let through
             break
     else:
         mgr.close()
@@ -142,7 +142,7 @@ def test_a_crashed_run_resumes_from_memory_at_its_last_step_bit_identical(
     # copy that starts after its slot was rewritten takes the newest snapshot instead (timing decides which).
     entries = [e for e in RunDirectory(run_dir).entries() if e.status == "committed"]
     steps = {e.step for e in entries}
-    assert 5 in steps and steps & {7, 8, 9} and steps & {10, 11, 12}, steps
+    assert 5 in steps and steps & {7, 8, 9} and 12 in steps, steps  # 12: at close (10 may have become 11 or 12)
     assert all(ckptfmt.verify(run_dir / e.name).ok for e in entries)
 
 

@@ -25,6 +25,7 @@ not change parameters or optimizer state in place by other means.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -128,6 +129,14 @@ class CheckpointManager:
                 self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
             if self._memory is not None:
                 self._memory.start_watcher(tuple(preemption_signals))
+        if self._memory is not None:
+            atexit.register(self._at_exit)  # an interpreter that exits normally persists the newest snapshot
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at exit nothing can be raised to; the snapshot stays in memory for `ckpt rescue`
+            log.exception("the newest memory snapshot could not be persisted at exit")
 
     # ---------------------------------------------------------------- preemption
 
@@ -517,15 +526,20 @@ class CheckpointManager:
         protect = {self._inflight_name} if self._inflight_name else set()
         return [e.name for e in self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)]
 
-    def close(self) -> None:
-        """Wait for the save in flight, stop the background thread, restore signal handlers."""
+    def close(self, *, persist: bool = True) -> None:
+        """Wait for the save in flight, stop the background threads, restore signal handlers.
+
+        With the memory tier, the newest snapshot is persisted first unless the run directory has it already
+        (``persist=False``: leave it in memory only, as a crash would; ``ckpt rescue`` can still persist it).
+        """
+        atexit.unregister(self._at_exit)
         try:
             self.wait()
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
             if self._memory is not None:
-                self._memory.close()
+                self._memory.close(persist=persist)
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
             self._previous_handlers.clear()

@@ -403,9 +403,14 @@ class MemorySnapshots:
             self._held[slot] = self._held.get(slot, 0) + 1
         return self._persist_held(slot, 1.0)
 
-    def close(self) -> None:
+    def close(self, *, persist: bool = True) -> None:
+        """Wait for the work in flight; with ``persist``, make the newest snapshot durable if it is not yet
+        (rank 0: "on exit, the newest snapshot is persisted"); then stop the threads."""
         try:
             self.wait()
+            newest, done = self.newest, self.last_persisted
+            if persist and newest is not None and (done is None or done.step < newest[1]):
+                self.persist_newest()
         finally:
             self._writer.shutdown()
             self._persister.shutdown()
