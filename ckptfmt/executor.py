@@ -34,7 +34,11 @@ from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
 from .storage import Store
 
-SLICE_BYTES = 16 << 20
+# The unit of the write pass: each slice is hashed for the file, hashed for its chunk and handed to the store
+# while it is still in the CPU's cache (1 MiB: 2.6 GB/s into a tmpfs here, against 0.84 GB/s with 16 MiB
+# slices, whose second and third passes went to memory again). I/O sizes are the store's own (an 8 MiB
+# staging buffer locally, 16 MiB multipart parts on object stores).
+SLICE_BYTES = 1 << 20
 COALESCE_MAX_CHUNK = 1 << 20  # chunks up to this size may share one ranged request
 COALESCE_MAX_RUN = 16 << 20  # the staging buffer of one shared request
 
