@@ -32,7 +32,7 @@ from .binding import SlotBinding
 
 log = logging.getLogger("ckptfmt")
 
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 1 << 20  # read, hashed and written while in cache (as executor.SLICE_BYTES)
 PersistStatus = Literal["persisted", "already durable", "conflict"]
 
 
