@@ -151,7 +151,15 @@ class CheckpointWriter:
                 self._committer = Committer(self.store, overwrite=overwrite)
             except CheckpointError as exc:
                 error = exc
-        status = self.collective.broadcast(encode_status(error) if self.is_coordinator else None, src=COORDINATOR)
+        try:
+            status = self.collective.broadcast(encode_status(error) if self.is_coordinator else None, src=COORDINATOR)
+        except BaseException:
+            if self._committer is not None:
+                # A rank is gone before the save began (COM-20): give the lock back, or this live process
+                # holds it for good, gc keeps it and a retry here is refused. Nothing else was written.
+                self._committer.abort([])
+                self._committer = None
+            raise
         if error is not None:
             raise error
         decode_status(status)
