@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import builtins
 import itertools
+import re
 import secrets
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError
@@ -18,6 +20,10 @@ from .multipart import MultipartOutput
 _ATOMIC_PUT = {"s3", "s3a", "gcs", "gs", "abfs", "az"}
 PART_SIZE = 16 << 20  # multipart part size (s3fs: several in flight, storage/multipart.py; others: one)
 READ_PIECE = 64 << 20  # the largest ranged GET: longer runs of neighbouring ranges are split, fetched together
+# The object an exclusive-create probe writes and deletes (FsspecStore._probe_create_only): the temp name of a
+# manifest, so `ckpt gc` recognises one a killed process leaves behind as a writer's (ckptfmt/run.py).
+PROBE_NAME = ".manifest.json.tmp-{token}"
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 def lost_create_race(exc: BaseException) -> bool:
@@ -40,6 +46,42 @@ def lost_create_race(exc: BaseException) -> bool:
                 return True
         current = current.__cause__ or current.__context__
     return False
+
+
+class RangeNotHonoured(Exception):
+    """A ranged GET was answered with other bytes than it asked for (the store raises a StorageError)."""
+
+
+def answered_range(resp: Mapping[str, Any], start: int, end: int) -> int:
+    """How many of the bytes ``[start, end)`` a GET's answer holds, from ``start`` on, read from its status,
+    Content-Range and Content-Length: all of them, or fewer where the object ends first. Raises
+    RangeNotHonoured where the answer holds other bytes, so a store that ignores or misreads Range never
+    hands a reader another part of the file.
+
+    A 200 is the whole object (HTTP lets a server ignore Range): from byte 0 its first bytes are the asked
+    ones, and the caller reads just those; from anywhere else it is refused, not skipped through, since
+    every GET would then cost the object up to its range (a shard read in 64 MiB pieces, many times over).
+    """
+    meta = resp.get("ResponseMetadata")
+    status = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
+    length = resp.get("ContentLength")
+    length = length if isinstance(length, int) else None
+    asked = f"bytes {start}-{end - 1}"
+    if status == 200:
+        if start != 0:
+            raise RangeNotHonoured(
+                f"asked for {asked}, got HTTP 200 with the whole object ({length} bytes): the store ignores Range"
+            )
+        return end if length is None else min(length, end)
+    content_range = resp.get("ContentRange")
+    match = _CONTENT_RANGE.fullmatch(content_range.strip()) if isinstance(content_range, str) else None
+    if status != 206 or match is None:
+        raise RangeNotHonoured(f"asked for {asked}, got HTTP {status} with Content-Range {content_range!r}")
+    first, last, total = int(match[1]), int(match[2]), match[3]
+    ends_first = last < end - 1 and total == str(last + 1)  # the object is shorter than the range asked
+    if first != start or last > end - 1 or (last < end - 1 and not ends_first) or length != last + 1 - first:
+        raise RangeNotHonoured(f"asked for {asked}, got Content-Range {content_range!r} with Content-Length {length}")
+    return last + 1 - start
 
 
 class DirectOutput(OutputFile):
@@ -166,7 +208,8 @@ def _fills(gets: Sequence[tuple[int, int]], todo: Sequence[tuple[int, memoryview
 async def _stream_gets(fs: Any, full: str, gets: Sequence[tuple[int, int]], fills: Sequence[Fill]) -> None:
     """s3fs: send every GET at once, each streaming its body straight into its destinations (which tile it),
     so no whole-range ``bytes`` is built and copied again. A GET whose stream breaks resumes where it
-    stopped (up to ``fs.retries`` times); one that ends early raises EOFError(the byte it should reach)."""
+    stopped (up to ``fs.retries`` times); one that ends early raises EOFError(the byte it should reach);
+    one answered with other bytes than asked raises RangeNotHonoured (``answered_range``)."""
     bucket, key, _ = fs.split_path(full)
 
     async def get(start: int, end: int, fill: Fill) -> None:
@@ -175,6 +218,8 @@ async def _stream_gets(fs: Any, full: str, gets: Sequence[tuple[int, int]], fill
             resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={at}-{end - 1}", **fs.req_kw)
             body = resp["Body"]
             try:
+                if at + answered_range(resp, at, end) < end:
+                    raise EOFError(end)
                 for offset, view in fill:
                     filled = max(at - start - offset, 0)  # destinations filled before a resumed GET are skipped
                     while filled < len(view):
@@ -183,7 +228,7 @@ async def _stream_gets(fs: Any, full: str, gets: Sequence[tuple[int, int]], fill
                             raise EOFError(end)
                         filled += got
                         at += got
-            except EOFError:
+            except (EOFError, RangeNotHonoured):
                 raise
             except Exception:
                 attempts += 1
@@ -198,6 +243,32 @@ async def _stream_gets(fs: Any, full: str, gets: Sequence[tuple[int, int]], fill
             raise result
 
 
+async def _read_head(fs: Any, full: str, limit: int) -> bytes:
+    """s3fs: an object's first bytes, at most ``limit`` of them, in one ranged GET checked as ``_stream_gets``
+    checks its own, retried as s3fs retries its reads."""
+    from s3fs.core import _error_wrapper
+
+    bucket, key, _ = fs.split_path(full)
+
+    async def call() -> bytes:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit - 1}", **fs.req_kw)
+        body = resp["Body"]
+        try:
+            out = bytearray(answered_range(resp, 0, limit))
+            view, filled = memoryview(out), 0
+            while filled < len(out):
+                got = await body.readinto(view[filled:])
+                if not got:
+                    raise EOFError(len(out))
+                filled += got
+            return bytes(out)
+        finally:
+            body.close()
+
+    data: bytes = await _error_wrapper(call, retries=fs.retries)
+    return data
+
+
 class FsspecStore(Store):
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
@@ -207,6 +278,9 @@ class FsspecStore(Store):
         self.capabilities = Capabilities(exclusive_create=bool(_ATOMIC_PUT.intersection(protocols)), local=False)
         # s3fs: uploads with parts in flight, through its client (its S3File sends one part at a time)
         self._s3_client = "s3" in protocols and hasattr(fs, "_call_s3")
+        # whether the store was seen to refuse a create-only PUT over an existing object (_probe_create_only)
+        self._create_only_checked = not self.capabilities.exclusive_create
+        self._probe_lock = threading.Lock()
 
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}"
@@ -234,6 +308,16 @@ class FsspecStore(Store):
             raise self._wrap(cause, path, "create", writing=True) from exc
 
     def put_exclusive(self, path: str, data: bytes) -> None:
+        """Create-only (S3: ``If-None-Match: *``). Before a store's first one, the store is seen to honour it
+        (``_probe_create_only``): a store that ignores the condition would let two writers both commit."""
+        if not self._create_only_checked:
+            with self._probe_lock:
+                if not self._create_only_checked:
+                    self._probe_create_only(path)
+                    self._create_only_checked = True
+        self._put_create_only(path, data)
+
+    def _put_create_only(self, path: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(self._full(path), data, mode="create")
         except FileExistsError:
@@ -243,6 +327,41 @@ class FsspecStore(Store):
                 raise FileExistsError(path) from exc
             raise self._wrap(exc, path, "exclusive write", writing=True) from exc
 
+    def _probe_create_only(self, path: str) -> None:
+        """Write a probe object, then create-only again over it: that must fail as a lost race (HTTP 412).
+        A store (or a proxy before it) that drops ``If-None-Match`` overwrites instead, and is refused.
+
+        A probe, not a read-back of the manifest after its PUT: a read-back sees the writer's own bytes even
+        when a second writer overwrites them a moment later, so it cannot tell a store that honours the
+        condition from one that does not. Three requests, once per store; the probe is deleted either way.
+        A refusal names ``path``, the lock or manifest that was about to be written.
+        """
+        probe = PROBE_NAME.format(token=secrets.token_hex(6))
+        where = f"{self.url.rstrip('/')}/"
+        try:
+            try:
+                self._put_create_only(probe, b"probe")
+            except FileExistsError as exc:  # not a lost race: nothing had that name
+                raise StorageError(
+                    f"{where} refused a create-only PUT of a new object ({probe}) as if it existed (HTTP 412)",
+                    path=path,
+                ) from exc
+            try:
+                self._put_create_only(probe, b"probe")
+            except FileExistsError:
+                return  # refused, as it must be
+            raise StorageError(
+                f"{where} does not honour conditional writes: a create-only PUT (If-None-Match: *) replaced "
+                "an existing object instead of failing with 412, so two writers could both commit here and "
+                "one save would silently disappear; refusing to write a lock or manifest to this store",
+                path=path,
+            )
+        finally:
+            try:
+                self.delete(probe)
+            except StorageError:
+                pass  # a leftover probe is a writer's temp file to `ckpt gc`
+
     def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
         size = self.size(path)
         if size > max_size:
@@ -251,16 +370,32 @@ class FsspecStore(Store):
             return b""  # a ranged GET of an empty object is "not satisfiable"
         try:
             # Ranged, so an object replaced meanwhile by a bigger one still costs at most max_size + 1 bytes.
-            data = bytes(self.fs.cat_file(self._full(path), start=0, end=max_size + 1))
+            if self._s3_client:
+                from fsspec.asyn import sync
+
+                data = bytes(sync(self.fs.loop, _read_head, self.fs, self._full(path), max_size + 1))
+            else:
+                data = bytes(self.fs.cat_file(self._full(path), start=0, end=max_size + 1))
+        except RangeNotHonoured as exc:
+            raise self._not_honoured(exc, path) from exc
+        except EOFError as exc:
+            raise SizeMismatchError(f"file ends before byte {exc.args[0]}", path=path) from exc
         except Exception as exc:
             raise self._wrap(exc, path, "read") from exc
         if len(data) > max_size:
             raise SizeMismatchError(f"is more than the {max_size} bytes this file may have", path=path)
         return data
 
+    def _not_honoured(self, exc: RangeNotHonoured, path: str) -> StorageError:
+        where = f"{self.url.rstrip('/')}/{path}"
+        return StorageError(f"ranged read of {where} not honoured: {exc}", path=path)
+
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
         if not len(view):
+            return
+        if self._s3_client:  # the checked GETs of read_ranges
+            self.read_ranges(path, [(begin, view)])
             return
         try:
             data = self.fs.cat_file(self._full(path), start=begin, end=begin + len(view))
@@ -280,14 +415,22 @@ class FsspecStore(Store):
         gets = plan_gets([(begin, begin + len(view)) for begin, view in todo])
         fills = _fills(gets, todo)
         disjoint = all(b0 + len(v0) <= b1 for (b0, v0), (b1, _) in itertools.pairwise(todo))
+        blobs: builtins.list[Any]
         try:
-            if self._s3_client and disjoint:
+            if self._s3_client:
                 from fsspec.asyn import sync
 
-                sync(self.fs.loop, _stream_gets, self.fs, self._full(path), gets, fills)
-                return
-            # one call: fsspec sends the GETs together (concurrently on async backends)
-            blobs = self.fs.cat_ranges([self._full(path)] * len(gets), [g[0] for g in gets], [g[1] for g in gets])
+                if disjoint:
+                    sync(self.fs.loop, _stream_gets, self.fs, self._full(path), gets, fills)
+                    return
+                # overlapping destinations cannot both be streamed into: each GET lands in a buffer first
+                blobs = [bytearray(end - start) for start, end in gets]
+                sync(self.fs.loop, _stream_gets, self.fs, self._full(path), gets, [[(0, memoryview(b))] for b in blobs])
+            else:
+                # one call: fsspec sends the GETs together (concurrently on async backends)
+                blobs = self.fs.cat_ranges([self._full(path)] * len(gets), [g[0] for g in gets], [g[1] for g in gets])
+        except RangeNotHonoured as exc:
+            raise self._not_honoured(exc, path) from exc
         except EOFError as exc:
             raise SizeMismatchError(f"file ends before byte {exc.args[0]}", path=path) from exc
         except Exception as exc:
