@@ -4,9 +4,9 @@
     .venv/bin/python scripts/reliability.py --hostile-seconds 600 --out docs/reliability.md
 
 Harnesses (tests/crash/, tests/hostile/): SIGKILL at every kill point and at random moments (local disk,
-S3 on a loopback moto server, CheckpointManager), simulated power loss, injected fsync/ENOSPC/S3
-failures, concurrent writers, exhaustive corruption, and the hostile-input fuzz runner. The pytest
-versions (tests/test_crash_consistency.py and friends) run the same harnesses at CI sizes;
+S3 on a loopback moto server, CheckpointManager, one rank of a 2- or 3-rank save), simulated power loss,
+injected fsync/ENOSPC/S3 failures, concurrent writers, exhaustive corruption, and the hostile-input fuzz
+runner. The pytest versions (tests/test_crash_consistency.py and friends) run the same harnesses at CI sizes;
 ``CKPTFMT_RELIABILITY=full`` makes them run at these sizes instead.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -30,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from crash import consistency, corruption, faults, powerloss, race  # noqa: E402
+from crash import consistency, corruption, faults, multirank, powerloss, race  # noqa: E402
 from crash.consistency import Target  # noqa: E402
 
 Row = dict[str, Any]
@@ -197,6 +198,41 @@ def crash_section(work: Path, rows: list[Row], log: list[str], server: Any) -> N
             "3 torch saves (keep_last=2); restore_latest",
         ),
     )
+
+
+def _multirank_row(harness: str, f: multirank.MultiFigures, what: str) -> Row:
+    return {
+        "harness": harness,
+        "what": what,
+        "tried": f.trials,
+        "held": f"{f.refused} refused, {f.whole} whole (of {f.killed} killed); loadable-but-wrong: "
+        f"{_violations(['x'] * f.loadable_but_wrong)}; committed-but-fails-verify: "
+        f"{_violations(['x'] * f.fails_verify)}; gc left nothing in {f.gc_clean} of {f.refused} refused; "
+        f"survivors done within {f.slowest_survivor_s:.2f} s of the kill",
+        "violations": len(f.wrong),
+        "violations_list": f.wrong,
+    }
+
+
+def multirank_section(work: Path, rows: list[Row], log: list[str]) -> None:
+    def every_point(world: int) -> Row:
+        return _multirank_row(
+            f"SIGKILL, {world} ranks as processes, every kill point",
+            multirank.kill_points(lambda i: str(work / f"k{world}" / f"run{i}"), world),
+            f"one {world}-rank training save (sharded + replicated tensors, contexts); each rank in turn "
+            "killed before each of its traced os calls",
+        )
+
+    def random_moments(world: int) -> Row:
+        return _multirank_row(
+            f"SIGKILL, {world} ranks as processes, random moments",
+            multirank.random_kills(lambda i: str(work / f"r{world}" / f"run{i}"), world, 500, seed=world),
+            f"one {world}-rank training save; rank i mod {world} killed after a uniform random delay",
+        )
+
+    for world in (2, 3):
+        _timed(rows, log, functools.partial(every_point, world))
+        _timed(rows, log, functools.partial(random_moments, world))
 
 
 def power_section(work: Path, rows: list[Row], log: list[str]) -> None:
@@ -422,7 +458,7 @@ What ckptfmt was put through, how many times, and what held. Regenerate with one
 
 Last run: {started} UTC, commit `{commit}` (plus the working tree), {cpus} CPUs, Python {python}, {minutes:.1f} minutes.
 The harnesses live in `tests/crash/` (hostile input: `tests/hostile/`). Their pytest versions,
-`tests/test_crash_consistency.py`, `test_power_loss.py`, `test_injected_failures.py`,
+`tests/test_crash_consistency.py`, `test_crash_multirank.py`, `test_power_loss.py`, `test_injected_failures.py`,
 `test_concurrent_writers.py`, `test_corruption.py` and `test_golden.py`, run them at CI sizes on every
 test run, and at the sizes below with `CKPTFMT_RELIABILITY=full`.
 
@@ -454,6 +490,10 @@ NOTES = """
 - Kill points are the traced calls of the save: `os.open`, `write`, `fsync`, `rename`, `link`, `unlink`,
   `mkdir`, `rmdir`, `close` locally; every HTTP request on S3. Random moments are uniform over 1.2x an
   uninterrupted run (forks included), so most land before the manifest is written.
+- Multi-rank rows (`tests/crash/multirank.py`): the ranks are forked processes exchanging their records
+  over Unix socket pairs (`tests/crash/mesh.py`, a dead peer fails a pending collective at once); one
+  rank is SIGKILLed, every survivor must exit within 30 s with the checkpoint id or a library error, and
+  a coordinator whose save failed must leave neither its lock nor its own files (COM-20).
 - The power-loss model keeps a file's contents as of its last `fsync` and a directory's entries as of its
   last `fsync`; the "partly kept" variant lets each directory and file independently keep its unsynced
   state, which POSIX allows. Its violations are D1 and D2, above.
@@ -524,7 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
     parser.add_argument("--hostile-seconds", type=float, default=300.0)
     parser.add_argument(
-        "--skip", default="", help="comma-separated sections to leave out: crash,power,faults,race,corruption,hostile"
+        "--skip",
+        default="",
+        help="comma-separated sections to leave out: crash,multirank,power,faults,race,corruption,hostile",
     )
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -536,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         sections: list[tuple[str, Callable[[], None]]] = [
             ("crash", lambda: crash_section(work / "crash", rows, log, server)),
+            ("multirank", lambda: multirank_section(work / "multirank", rows, log)),
             ("power", lambda: power_section(work / "power", rows, log)),
             ("faults", lambda: fault_section(work / "faults", rows, log, server)),
             ("race", lambda: race_section(work / "race", rows, log, server)),
