@@ -22,7 +22,10 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
+import pytest
 from ckptfmt.conformance.suite import tree_digest
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "conformance" / "vectors"

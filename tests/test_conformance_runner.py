@@ -66,6 +66,7 @@ def counts() -> tuple[int, int]:
 # ---------------------------------------------------------------- the reference, through the installed command
 
 
+@pytest.mark.slow
 def test_the_reference_reader_and_writer_pass_the_whole_suite_through_ckpt_conformance_run(tmp_path: Path) -> None:
     files = {name: tmp_path / name for name in ("results.json", "junit.xml", "report.md")}
     proc = ckpt(

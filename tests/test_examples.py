@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,6 +22,7 @@ def run_example(name: str, out: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_story_demo_runs_and_proves_the_resume(tmp_path: Path) -> None:
     proc = run_example("story.py", tmp_path / "story")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
