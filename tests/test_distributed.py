@@ -15,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from concurrent_runs import Jobs
 from safetensors.numpy import load_file
 
 import ckptfmt
 import ckptfmt.torch as ct
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -65,9 +68,22 @@ def ok(results: list[subprocess.CompletedProcess[str]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    ok(launch("save", 4, out))
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """Every launch of this module, two at a time (concurrent_runs.py): the save on 4 ranks, then the loads from
+    it (each writes files of its own), and the killed save, which needs nothing."""
+    out, die = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("die")
+    jobs = Jobs(workers=2)
+    jobs.add("save", lambda: (launch("save", 4, out), out))
+    jobs.add("die", lambda: (launch("die", 3, die, timeout=240), die))
+    for scenario, world in (("tp", 4), ("load", 3), ("load", 2)):
+        jobs.add(f"{scenario}-{world}", lambda _, s=scenario, w=world: launch(s, w, out), "save")
+    return jobs.run()
+
+
+@pytest.fixture(scope="module")
+def saved(launches: Jobs) -> Path:
+    results, out = launches["save"]
+    ok(results)
     return out
 
 
@@ -97,8 +113,8 @@ def test_four_ranks_write_their_own_shards_into_one_checkpoint(saved: Path) -> N
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_fsdp_state_saved_on_four_ranks_loads_bit_for_bit_on_fewer(saved: Path, world: int) -> None:
-    ok(launch("load", world, saved))
+def test_fsdp_state_saved_on_four_ranks_loads_bit_for_bit_on_fewer(saved: Path, launches: Jobs, world: int) -> None:
+    ok(launches[f"load-{world}"])
     for part in ("weights", "optim"):
         same(
             load_file(str(saved / f"loaded-load-{world}-{part}.safetensors")),
@@ -106,8 +122,8 @@ def test_fsdp_state_saved_on_four_ranks_loads_bit_for_bit_on_fewer(saved: Path, 
         )
 
 
-def test_fsdp_state_loads_onto_a_2d_fsdp_tensor_parallel_mesh(saved: Path) -> None:
-    ok(launch("tp", 4, saved))
+def test_fsdp_state_loads_onto_a_2d_fsdp_tensor_parallel_mesh(saved: Path, launches: Jobs) -> None:
+    ok(launches["tp-4"])
     for part in ("weights", "optim"):
         same(
             load_file(str(saved / f"loaded-tp-4-{part}.safetensors")),
@@ -131,8 +147,8 @@ def test_four_ranks_load_into_one_process_without_torch_distributed(saved: Path)
             assert optimizer.state[param][key].numpy().tobytes() == optim[f"{fqn}/{key}"].tobytes()
 
 
-def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(tmp_path: Path) -> None:
-    results = launch("die", 3, tmp_path, timeout=240)
+def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(launches: Jobs) -> None:
+    results, tmp_path = launches["die"]
     assert results[1].returncode == -9
     for rank in (0, 2):
         assert results[rank].returncode == 0, results[rank].stderr[-3000:]

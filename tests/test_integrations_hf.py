@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import ckptfmt
@@ -81,22 +82,25 @@ def trainer(out: Path, callbacks: list[Any], seed: int = 0) -> Any:
     return transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_from_ckptfmt_is_bit_identical(tmp_path: Path) -> None:
-    full = trainer(tmp_path / "full", [CkptfmtCallback(tmp_path / "full-ckpt", keep_hf_checkpoint=False)])
-    full.train()
+    ckpt_root = tmp_path / "ckpt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # the killed run is independent of the uninterrupted one: it starts (mostly importing transformers) meanwhile
+    with subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, __file__, str(tmp_path / "run"), str(ckpt_root)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as killed:
+        full = trainer(tmp_path / "full", [CkptfmtCallback(tmp_path / "full-ckpt", keep_hf_checkpoint=False)])
+        full.train()
+        _, killed_stderr = killed.communicate(timeout=600)
     assert sorted(os.listdir(tmp_path / "full-ckpt")) == ["checkpoint-3", "checkpoint-6"]
     assert not (tmp_path / "full" / "checkpoint-3").exists()  # keep_hf_checkpoint=False
 
-    ckpt_root = tmp_path / "ckpt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, __file__, str(tmp_path / "run"), str(ckpt_root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert killed.returncode == -signal.SIGKILL, killed_stderr[-2000:]
     assert sorted(os.listdir(ckpt_root)) == ["checkpoint-3"]
     shutil.rmtree(tmp_path / "run")  # the Trainer's own checkpoints are gone: only ckptfmt is left
     report = ckptfmt.verify(ckpt_root / "checkpoint-3")

@@ -27,11 +27,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from concurrent_runs import Jobs
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 SCRIPT = Path(__file__).resolve()
 STEPS, EVERY = 20, 5
@@ -182,14 +184,16 @@ THEN = {  # name: (the run it resumes, arguments, drop checkpoints after)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """Every run, a few at a time; each resume starts as soon as the run it resumes is done (concurrent_runs.py)."""
     work = tmp_path_factory.mktemp("matrix")
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        first = {n: pool.submit(run, work / n, *a, expect=e) for n, (a, e) in FIRST.items()}
-        done = {n: f.result() for n, f in first.items()}
-        then = {n: pool.submit(resume, done[b], work / n, *a, drop_after=d) for n, (b, a, d) in THEN.items()}
-        done.update({n: f.result() for n, f in then.items()})
-    return done
+    jobs = Jobs(workers=3)
+    bases = {base for base, _, _ in THEN.values()}
+    for name, (args, expect) in sorted(FIRST.items(), key=lambda item: item[0] not in bases):  # bases first
+        jobs.add(name, lambda n=name, a=args, e=expect: run(work / n, *a, expect=e))
+    for name, (base, args, drop) in THEN.items():
+        jobs.add(name, lambda done, n=name, a=args, d=drop: resume(done, work / n, *a, drop_after=d), base)
+    return jobs.run()
 
 
 def assert_same_final_state(a: Path, b: Path) -> None:
@@ -206,7 +210,7 @@ def assert_same_final_state(a: Path, b: Path) -> None:
             assert json.dumps(ca.read_context(field), default=str) == json.dumps(cb.read_context(field), default=str)
 
 
-def test_killed_runs_died_after_their_checkpoint(runs: dict[str, Run]) -> None:
+def test_killed_runs_died_after_their_checkpoint(runs: Jobs) -> None:
     from ckptfmt.run import RunDirectory
 
     for name, last in (("killed", 10), ("accum-killed", 5), ("stateful-killed", 5)):
@@ -215,7 +219,7 @@ def test_killed_runs_died_after_their_checkpoint(runs: dict[str, Run]) -> None:
         assert latest is not None and latest["step"] == last, name
 
 
-def test_workers_do_not_change_the_run(runs: dict[str, Run]) -> None:
+def test_workers_do_not_change_the_run(runs: Jobs) -> None:
     """The loader draws nothing from the global RNG, so 2 workers give the 0-worker run's numbers."""
     assert runs["killed"].steps == runs["reference"].steps[:10]
 
@@ -229,14 +233,14 @@ def test_workers_do_not_change_the_run(runs: dict[str, Run]) -> None:
         ("stateful-resumed", "stateful-reference"),  # torchdata's StatefulDataLoader, 2 workers, mid-epoch
     ],
 )
-def test_resumed_run_is_bit_identical(runs: dict[str, Run], resumed: str, reference: str) -> None:
+def test_resumed_run_is_bit_identical(runs: Jobs, resumed: str, reference: str) -> None:
     assert [s for s, _ in runs[reference].steps] == list(range(1, STEPS + 1))
     assert runs[resumed].steps == runs[reference].steps  # every micro-batch loss of every step, bit for bit
     assert_same_final_state(runs[reference].run_dir, runs[resumed].run_dir)
     assert "InexactResumeWarning" not in runs[resumed].proc.stderr
 
 
-def test_negative_control_plain_dataloader_without_generator(runs: dict[str, Run]) -> None:
+def test_negative_control_plain_dataloader_without_generator(runs: Jobs) -> None:
     """The old misuse: resume is loud about it, and the run does diverge (the comparison can fail)."""
     ref, resumed = runs["nogen-reference"], runs["nogen-resumed"]
     assert "InexactResumeWarning" not in ref.proc.stderr
@@ -245,7 +249,7 @@ def test_negative_control_plain_dataloader_without_generator(runs: dict[str, Run
     assert resumed.steps[:5] == ref.steps[:5] and resumed.steps[5] != ref.steps[5]
 
 
-def test_negative_control_sampler_never_advanced(runs: dict[str, Run]) -> None:
+def test_negative_control_sampler_never_advanced(runs: Jobs) -> None:
     from ckptfmt.run import RunDirectory
 
     bad = runs["never-advanced"]

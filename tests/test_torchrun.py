@@ -3,7 +3,8 @@ checkpoint, torchrun restarts the group, the run resumes from the newest committ
 bit-identical to an uninterrupted 4-rank run; then the same run goes on with 2 ranks and continues the
 same global sample order (no sample repeated or skipped).
 
-The costliest test of the suite (a dozen processes importing torch): one module-scoped set of runs.
+The costliest test of the suite (a dozen processes importing torch): one module-scoped set of runs, the
+reference side by side with the killed run and its continuation.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from concurrent_runs import Jobs
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -39,34 +42,48 @@ def losses(path: Path) -> list[list[float]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("torchrun")
-    reference = torchrun(4, tmp / "reference", STEPS_4, "--losses-out", str(tmp / "reference.json"))
-    killed = torchrun(
-        4,
-        tmp / "killed",
-        STEPS_4,
-        *("--kill-after-checkpoint-step", str(KILL), "--kill-rank", "2"),
-        *("--losses-out", str(tmp / "killed.json"), "--samples-out", str(tmp / "samples")),
-        restarts=1,
-    )
-    smaller = torchrun(
-        2,
-        tmp / "killed",
-        STEPS_2,
-        *("--losses-out", str(tmp / "killed.json"), "--samples-out", str(tmp / "samples")),
-    )
-    return {"tmp": tmp, "reference": reference, "killed": killed, "smaller": smaller}
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchrun")
 
 
-def test_a_killed_rank_is_restarted_and_the_run_ends_bit_identical(runs: dict[str, Any]) -> None:
-    tmp: Path = runs["tmp"]
+@pytest.fixture(scope="module")
+def runs(tmp: Path) -> Jobs:
+    """The uninterrupted 4-rank run side by side with the killed one and its 2-rank continuation: each is
+    start-up and rendezvous for much of its time, so together they use the cores better (concurrent_runs.py)."""
+    jobs = Jobs(workers=2)
+    jobs.add(
+        "killed",
+        lambda: torchrun(
+            4,
+            tmp / "killed",
+            STEPS_4,
+            *("--kill-after-checkpoint-step", str(KILL), "--kill-rank", "2"),
+            *("--losses-out", str(tmp / "killed.json"), "--samples-out", str(tmp / "samples")),
+            restarts=1,
+        ),
+    )
+    jobs.add("reference", lambda: torchrun(4, tmp / "reference", STEPS_4, "--losses-out", str(tmp / "reference.json")))
+    jobs.add(
+        "smaller",
+        lambda _: torchrun(
+            2,
+            tmp / "killed",
+            STEPS_2,
+            *("--losses-out", str(tmp / "killed.json"), "--samples-out", str(tmp / "samples")),
+        ),
+        "killed",
+    )
+    return jobs.run()
+
+
+def test_a_killed_rank_is_restarted_and_the_run_ends_bit_identical(runs: Jobs, tmp: Path) -> None:
     out = runs["killed"].stdout
     assert f"rank 2: checkpoint at step {KILL} is durable; SIGKILL" in out
     assert f"resumed at step {KILL} (ranks=4" in out and "attempt=1" in out
     killed_at = float(re.search(r"SIGKILL at ([\d.]+)", out).group(1))  # type: ignore[union-attr]
     first = float(re.search(r"first step of attempt 1 done at ([\d.]+)", out).group(1))  # type: ignore[union-attr]
     print(f"[torchrun] kill to first resumed step: {first - killed_at:.1f} s")
+    assert runs["reference"].returncode == 0
     reference = losses(tmp / "reference.json")
     assert losses(tmp / "killed.json")[:STEPS_4] == reference  # every step's loss, the same bits
     final = f"step-{STEPS_4:09d}"
@@ -95,8 +112,7 @@ def _reference_order(epochs: int) -> list[int]:
     return order
 
 
-def test_resuming_on_two_ranks_continues_the_global_sample_order(runs: dict[str, Any]) -> None:
-    tmp: Path = runs["tmp"]
+def test_resuming_on_two_ranks_continues_the_global_sample_order(runs: Jobs, tmp: Path) -> None:
     assert f"resumed at step {STEPS_4} (ranks=2" in runs["smaller"].stdout
     per_rank = [json.loads((tmp / f"samples.rank{r}.json").read_text())["steps"] for r in range(4)]
     reference = _reference_order(4)

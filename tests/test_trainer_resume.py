@@ -14,16 +14,21 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from concurrent_runs import Jobs
 
 import ckptfmt
 from ckptfmt.run import RunDirectory, checkpoint_name
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 CKPT = Path(sys.executable).parent / "ckpt"
 STEPS, KILL, EVERY = 24, 12, 4
 FINAL = checkpoint_name(STEPS)
+WITHHELD = ("rng", "data", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -88,27 +93,76 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert json.loads(diff.stdout)["identical"] is True
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("trainer")
-
-
-@pytest.fixture(scope="module")
-def reference(work: Path) -> Run:
+def reference_run(work: Path) -> Run:
     """The uninterrupted run: 24 steps, one process, no DataLoader workers."""
     run = train(work / "reference")
     assert [s for s, _ in run.losses] == list(range(1, STEPS + 1))
     return run
 
 
+@dataclass(frozen=True)
+class Stopped:
+    """The first process of the SIGTERM test: its exit status, stderr, losses, and the run's latest checkpoint
+    when it had exited (before the resume adds more)."""
+
+    run_dir: Path
+    returncode: int
+    stderr: str
+    losses: list[list[float]]
+    latest: dict[str, Any] | None
+
+
+def sigterm_after_step_5(run_dir: Path) -> Stopped:
+    losses_file = run_dir.parent / f"{run_dir.name}-first.json"
+    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
+    proc = subprocess.Popen(
+        [*cmd, "--losses-out", str(losses_file), "--step-sleep", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 5 "):
+            proc.send_signal(signal.SIGTERM)  # lands right after step 5, or while step 6 sleeps
+            break
+    _, err = proc.communicate(timeout=120)
+    losses = json.loads(losses_file.read_text())["losses"] if losses_file.exists() else []
+    return Stopped(run_dir, proc.returncode, err, losses, RunDirectory(run_dir).latest())
+
+
 @pytest.fixture(scope="module")
-def killed_run(work: Path) -> Run:
-    """12 steps with two DataLoader workers prefetching, then SIGKILL right after the step-12 checkpoint."""
-    return killed(work / "killed", "--workers", "2")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """Every training process of this module, independent ones side by side (see concurrent_runs.py).
+
+    ``killed`` is 12 steps with two DataLoader workers prefetching, then SIGKILL right after the step-12
+    checkpoint; four tests resume copies of it.
+    """
+    work = tmp_path_factory.mktemp("trainer")
+    jobs = Jobs()
+    jobs.add("killed", lambda: killed(work / "killed", "--workers", "2"))
+    jobs.add("sigterm", lambda: sigterm_after_step_5(work / "sigterm"))
+    jobs.add("threads-killed", lambda: killed(work / "threads", "--threads", "2"))
+    jobs.add("async-killed", lambda: killed(work / "async", "--async"))
+    jobs.add("reference", lambda: reference_run(work))
+    jobs.add(
+        "threads-reference", lambda: train(work / "threads-reference", "--threads", "2", "--threads-at", f"{KILL}:1")
+    )
+    jobs.add("resumed", lambda base: resumed_copy(base, work / "resumed", "--workers", "2"), "killed")
+    for withheld in WITHHELD:
+        jobs.add(
+            f"withheld-{withheld}",
+            lambda base, w=withheld: resumed_copy(base, work / f"withheld-{w}", "--withhold", w),
+            "killed",
+        )
+    jobs.add("sigterm-resumed", lambda first: train(first.run_dir, name="resumed"), "sigterm")
+    jobs.add("threads-resumed", lambda first: train(first.run_dir, "--threads", "1", name="resumed"), "threads-killed")
+    jobs.add("async-resumed", lambda first: train(first.run_dir, "--async", name="resumed"), "async-killed")
+    return jobs.run()
 
 
-def test_sigkill_and_resume_is_bit_identical(reference: Run, killed_run: Run, work: Path) -> None:
-    resumed = resumed_copy(killed_run, work / "resumed", "--workers", "2")
+def test_sigkill_and_resume_is_bit_identical(runs: Jobs) -> None:
+    reference, killed_run, resumed = runs["reference"], runs["killed"], runs["resumed"]
     assert killed_run.losses + resumed.losses == reference.losses  # every step's loss, bit for bit
     assert_same_state(reference.run_dir, resumed.run_dir)
     verify = subprocess.run(
@@ -123,11 +177,9 @@ def test_sigkill_and_resume_is_bit_identical(reference: Run, killed_run: Run, wo
     ("withheld", "first_divergent_step"),
     [("rng", KILL + 1), ("data", KILL + 1), ("optimizer", KILL + 2)],
 )
-def test_negative_controls_detect_a_withheld_field(
-    reference: Run, killed_run: Run, work: Path, withheld: str, first_divergent_step: int
-) -> None:
+def test_negative_controls_detect_a_withheld_field(runs: Jobs, withheld: str, first_divergent_step: int) -> None:
     """The comparison can fail: resuming without one field diverges, and both the losses and ckpt diff show it."""
-    resumed = resumed_copy(killed_run, work / f"withheld-{withheld}", "--withhold", withheld)
+    reference, killed_run, resumed = runs["reference"], runs["killed"], runs[f"withheld-{withheld}"]
     losses = killed_run.losses + resumed.losses
     assert [s for s, _ in losses] == [s for s, _ in reference.losses]
     differing = [s for (s, a), (_, b) in zip(losses, reference.losses, strict=True) if a != b]
@@ -142,7 +194,7 @@ def test_negative_controls_detect_a_withheld_field(
         assert any(c["field"] == "data" for c in doc["context"])  # the position itself differs too
 
 
-def test_resume_under_another_thread_count(work: Path) -> None:
+def test_resume_under_another_thread_count(runs: Jobs) -> None:
     """Checkpoint written with 2 torch threads, resumed with 1.
 
     torch's CPU kernels are not bit-identical across thread counts (matmul and reduction splits change
@@ -150,47 +202,31 @@ def test_resume_under_another_thread_count(work: Path) -> None:
     process that switches from 2 threads to 1 after step N: the same kernels on the same steps, so any
     difference comes from the checkpoint and restart alone.
     """
-    reference = train(work / "threads-reference", "--threads", "2", "--threads-at", f"{KILL}:1")
-    first = killed(work / "threads", "--threads", "2")
-    resumed = train(work / "threads", "--threads", "1", name="resumed")
+    reference, first, resumed = runs["threads-reference"], runs["threads-killed"], runs["threads-resumed"]
     assert first.losses + resumed.losses == reference.losses
     assert_same_state(reference.run_dir, resumed.run_dir)
     topology = ckptfmt.open(str(first.run_dir / checkpoint_name(16))).read_context("topology")
     assert topology["threads"] == 1
 
 
-def test_sigterm_mid_training_saves_exits_and_resumes(reference: Run, work: Path) -> None:
+def test_sigterm_mid_training_saves_exits_and_resumes(runs: Jobs) -> None:
     """SIGTERM lands inside a step: the step finishes, an emergency checkpoint is written, the process exits 0."""
-    run_dir = work / "sigterm"
-    losses_file = work / "sigterm-first.json"
-    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
-    proc = subprocess.Popen(
-        [*cmd, "--losses-out", str(losses_file), "--step-sleep", "0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("step 5 "):
-            proc.send_signal(signal.SIGTERM)  # lands right after step 5, or while step 6 sleeps
-            break
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    first = json.loads(losses_file.read_text())["losses"]
+    reference, stopped_run = runs["reference"], runs["sigterm"]
+    run_dir = stopped_run.run_dir
+    assert stopped_run.returncode == 0, stopped_run.stderr
+    first = stopped_run.losses
     stopped = first[-1][0]
     assert 5 <= stopped < STEPS  # the step in progress when the signal landed, mid-training
-    assert "emergency checkpoint" in err
-    latest = RunDirectory(run_dir).latest()
+    assert "emergency checkpoint" in stopped_run.stderr
+    latest = stopped_run.latest
     assert latest is not None and latest["step"] == stopped  # the step in progress finished and was saved
-    resumed = train(run_dir, name="resumed")
+    resumed = runs["sigterm-resumed"]
     assert resumed.proc.stdout.startswith(f"resumed at step {stopped}")
     assert first + resumed.losses == reference.losses
     assert_same_state(reference.run_dir, run_dir)
 
 
-def test_async_saves_give_the_same_run(reference: Run, work: Path) -> None:
-    first = killed(work / "async", "--async")
-    resumed = train(work / "async", "--async", name="resumed")
+def test_async_saves_give_the_same_run(runs: Jobs) -> None:
+    reference, first, resumed = runs["reference"], runs["async-killed"], runs["async-resumed"]
     assert first.losses + resumed.losses == reference.losses
     assert_same_state(reference.run_dir, resumed.run_dir)
