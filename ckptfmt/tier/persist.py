@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +23,14 @@ from typing import Literal
 
 from ..commit import Committer
 from ..digests import algorithm_of, format_digest, new_hasher
-from ..errors import CheckpointError, CheckpointExistsError, DigestMismatchError, SizeMismatchError, UsageError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    DigestMismatchError,
+    SizeMismatchError,
+    UnsafePathError,
+    UsageError,
+)
 from ..manifest import checkpoint_id, parse_manifest
 from ..paths import MANIFEST_NAME
 from ..reader import read_manifest_bytes
@@ -140,6 +148,7 @@ def persist(
     if step is None:
         step = SlotBinding.from_metadata(manifest.metadata).step
     name = checkpoint_name(step)
+    _refuse_special_child(run, name)
     dst = open_store(run.child_url(name), run.storage_options)
 
     def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
@@ -178,6 +187,22 @@ def persist(
     return outcome("persisted", sum(f.size for f in manifest.files))
 
 
+def _refuse_special_child(run: RunDirectory, name: str) -> None:
+    """UnsafePathError when the run directory's ``name`` is a symlink or not a directory: a persist writes the
+    checkpoint the run directory names, never through a link planted there to somewhere else."""
+    if not run.store.capabilities.local:
+        return  # object stores hold no links
+    path = os.path.join(run.store.url, name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UnsafePathError(f"cannot be examined: {exc}", path=path) from exc
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("is a symlink or not a directory: not persisted into", path=path)
+
+
 def _existing_id(store: Store) -> str | None:
     try:
         if not store.exists(MANIFEST_NAME):
@@ -210,6 +235,7 @@ def _persist_encoded(
     if step is None:
         step = SlotBinding.from_metadata(manifest.metadata).step
     name = checkpoint_name(step)
+    _refuse_special_child(run, name)
     destination = run.child_url(name)
     status: PersistStatus = "persisted"
     nbytes = 0

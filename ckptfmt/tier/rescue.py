@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsafePathError
 from ..reader import verify_url
 from ..run import RunDirectory
 from .binding import normalize_run_url, run_dir_key
 from .persist import Persisted, persist
-from .ring import SLOT_PREFIX, Slot, read_slot
+from .ring import SLOT_PREFIX, Slot, private_dir_problem, read_slot
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,10 +41,16 @@ class RescueOutcome:
 
 
 def find_slots(memory_dir: str | os.PathLike[str], run_url: str) -> list[Slot]:
-    """The slots under ``memory_dir`` that belong to ``run_url``'s directory, newest step first."""
+    """The slots under ``memory_dir`` that belong to ``run_url``'s directory, newest step first.
+
+    UnsafePathError when the run's directory there is a symlink, not a directory or another user's (as a
+    writer refuses it, :meth:`~ckptfmt.tier.ring.MemoryTier.ensure`): its slots would be someone else's."""
     root = Path(memory_dir) / run_dir_key(run_url)
-    if not root.is_dir():
+    problem = private_dir_problem(root)
+    if problem == "absent":
         return []
+    if problem is not None:
+        raise UnsafePathError(problem, path=str(root))
     found = []
     for child in sorted(root.iterdir()):
         suffix = child.name.removeprefix(SLOT_PREFIX)
