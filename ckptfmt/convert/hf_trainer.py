@@ -292,7 +292,7 @@ def missing_note(fmt: str, missing: Mapping[str, str]) -> str:
 # ---------------------------------------------------------------- training_args.bin, read without unpickling
 
 MAX_ARGS_BYTES = 16 << 20
-MAX_PICKLE_OPS = 1_000_000
+MAX_PICKLE_OPS = 100_000  # a TrainingArguments pickles in under 2,000 opcodes; each costs ~10 us to decode and walk
 MAX_PICKLE_VALUES = MAX_PICKLE_OPS  # once shared references are expanded: walking it costs what decoding did
 
 
