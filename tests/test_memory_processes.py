@@ -12,8 +12,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 import ckptfmt
 from ckptfmt.run import RunDirectory
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 

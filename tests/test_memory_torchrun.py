@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
+
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 CKPT = Path(sys.executable).with_name("ckpt")
