@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from .api import Restored, capture, load, save, topology
 from .loader import InexactResumeWarning, ResumableDataLoader
-from .manager import CheckpointManager, RestoreReport
+from .manager import CheckpointManager
 from .prewarm import prewarm
+from .restore_report import RestoreReport
 from .sampler import DatasetIdentity, ResumableSampler
 
 __all__ = [

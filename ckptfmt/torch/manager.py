@@ -34,9 +34,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -50,11 +49,11 @@ from ..tier.persist import Persisted
 from ..writer import CheckpointWriter
 from . import api, state
 from .api import Policy
-from .memory import MemoryCandidate, MemorySnapshots
+from .memory import MemorySnapshots
+from .restore_report import Candidate, RestoreReport, estimated_state_bytes
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
-Tier = Literal["memory", "durable"]
 
 
 class CheckpointManager:
@@ -407,7 +406,7 @@ class CheckpointManager:
             loader = self.loader
         source = api.data_source(sampler=sampler, loader=loader)
         if self._memory is not None and optimizer is not None:
-            self._memory.check_capacity(_estimated_state_bytes(model, optimizer))
+            self._memory.check_capacity(estimated_state_bytes(model, optimizer))
         skipped: list[str] = []
         for candidate in self._all_candidates():
             entry_name, entry_step, status, url = candidate.label, candidate.step, candidate.status, candidate.url
@@ -497,15 +496,15 @@ class CheckpointManager:
             return self._step
         return None
 
-    def _all_candidates(self) -> list[_Candidate]:
+    def _all_candidates(self) -> list[Candidate]:
         """Every checkpoint a restore may take, newest step first; at the same step, memory before durable."""
         found = [
-            _Candidate(label=name, step=step, status=status, url=self.run.child_url(name), tier="durable")
+            Candidate(label=name, step=step, status=status, url=self.run.child_url(name), tier="durable")
             for name, step, status in self._candidates()
         ]
         if self._memory is not None:
             found += [
-                _Candidate(label=f"memory {c.url}", step=c.step, status="committed", url=c.url, tier="memory", memory=c)
+                Candidate(label=f"memory {c.url}", step=c.step, status="committed", url=c.url, tier="memory", memory=c)
                 for c in self._memory.candidates()
             ]
         return sorted(found, key=lambda c: (c.step if c.step is not None else -1, c.tier == "memory"), reverse=True)
@@ -549,55 +548,6 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RestoreReport:
-    """What :meth:`CheckpointManager.restore_latest` restored, from where, and what it cost."""
-
-    step: int | None
-    tier: Tier
-    url: str
-    checkpoint_id: str
-    seconds: float
-    bytes_read: int  # tensor bytes fetched (headers and context blobs not counted)
-    skipped: tuple[str, ...] = ()  # newer candidates passed over, each with why
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "step": self.step,
-            "tier": self.tier,
-            "url": self.url,
-            "checkpoint_id": self.checkpoint_id,
-            "seconds": round(self.seconds, 6),
-            "bytes_read": self.bytes_read,
-            "skipped": list(self.skipped),
-        }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Candidate:
-    label: str
-    step: int | None
-    status: str
-    url: str
-    tier: Tier
-    memory: MemoryCandidate | None = None
-
-
-def _estimated_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """This rank's share of a snapshot before its first one: the model's local tensors, and the optimizer's
-    state, or twice the parameters while it has none yet (Adam's two moments, the common case)."""
-
-    def nbytes(t: Any) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        return int(local.numel() * local.element_size()) if isinstance(local, torch.Tensor) else 0
-
-    weights = sum(nbytes(t) for t in model.state_dict().values())
-    moments = sum(nbytes(v) for entry in optimizer.state.values() for v in entry.values())
-    if not optimizer.state:
-        moments = 2 * sum(nbytes(p) for group in optimizer.param_groups for p in group["params"])
-    return weights + moments
 
 
 def _log_topology_change(name: str, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
