@@ -168,6 +168,50 @@ def recovery(mib: int, memory: bool, work: Path) -> dict[str, Any]:
     return out
 
 
+def recovery_torchrun(work: Path, memory: bool) -> dict[str, Any]:
+    """examples/train.py on 2 ranks under torchrun, rank 1 SIGKILLed after step 10 (durable saves every 8):
+    the restart split into detect (until the agent signals the survivor), restart (the survivor stopped and new
+    worker processes created), import, process group and model, restore, first step."""
+    import re
+    from datetime import datetime
+
+    here = Path(__file__).resolve().parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
+    cmd += [str(here / "examples" / "train.py"), "--run-dir", str(work / f"torchrun-{memory}"), "--steps", "12"]
+    cmd += ["--every", "8", "--kill-at-step", "10", "--kill-rank", "1"]
+    if memory:
+        cmd += ["--memory-every", "1", "--memory-dir", str(work / "shm-torchrun")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    out = done.stdout
+    killed = float(re.search(r"SIGKILL at ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    # the agent's first reaction to the death: it sends the surviving worker SIGTERM (logged with a timestamp)
+    stamp = re.search(r"[EWI](\d{4}) (\d\d:\d\d:\d\d\.\d+) .*closing signal SIGTERM", done.stderr)
+    assert stamp is not None, done.stderr[-2000:]
+    year = datetime.fromtimestamp(killed).year
+    detected = datetime.strptime(f"{year}{stamp.group(1)} {stamp.group(2)}", "%Y%m%d %H:%M:%S.%f").timestamp()
+    times = re.search(
+        r"attempt 1 timings: process started at ([\d.]+), imports done at ([\d.]+), process group and model "
+        r"ready at ([\d.]+), restored at ([\d.]+)",
+        out,
+    )
+    first = float(re.search(r"first step of attempt 1 done at ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    assert times is not None, out[-2000:]
+    started, imported, ready, restored = (float(g) for g in times.groups())
+    resumed = re.search(r"resumed at step (\d+) .*attempt=1", out)
+    return {
+        "resumed_step": int(resumed.group(1)) if resumed else None,
+        "detect": detected - killed,
+        "restart": started - detected,
+        "import": imported - started,
+        "group_and_model": ready - imported,
+        "restore": restored - ready,
+        "first_step": first - restored,
+        "kill_to_first_step": first - killed,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, nargs="+", default=[16, 64, 256], help="state sizes per rank, MiB")
@@ -176,6 +220,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dir", help="where to write (default: a temporary directory on local disk, removed afterwards)")
     p.add_argument("--json", type=Path, help="write every figure as JSON")
+    p.add_argument("--no-torchrun", action="store_true", help="skip the 2-rank torchrun kill-and-restart phases")
     args = p.parse_args()
     import torch
 
@@ -200,6 +245,12 @@ def main() -> None:
             figures["recover_durable"] = recovery(mib, False, rec)
             shutil.rmtree((rec / "shm-recover").resolve(), ignore_errors=True)
             results[str(mib)] = figures
+        if not args.no_torchrun:
+            shm = Path(tempfile.mkdtemp(dir=shm_parent))
+            (work / "shm-torchrun").symlink_to(shm, target_is_directory=True)
+            results["torchrun"] = {"memory": recovery_torchrun(work, True), "durable": recovery_torchrun(work, False)}
+            shutil.rmtree(shm, ignore_errors=True)
+            print(f"torchrun: {json.dumps(results['torchrun'])}", file=sys.stderr, flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -208,7 +259,23 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
 
 
+def print_torchrun(phases: dict[str, Any]) -> None:
+    print(
+        "\n| 2 ranks under torchrun, rank 1 SIGKILLed after step 10 | resumed at | detect | restart | import "
+        "| group + model | restore | first step | kill → first step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tier, f in phases.items():
+        cells = " | ".join(
+            f"{f[k]:.2f} s"
+            for k in ("detect", "restart", "import", "group_and_model", "restore", "first_step", "kill_to_first_step")
+        )
+        print(f"| from {tier} | step {f['resumed_step']} | {cells} |")
+
+
 def print_table(results: dict[str, Any]) -> None:
+    results = dict(results)
+    phases = results.pop("torchrun", None)
     print(
         "| state/rank | step | snapshot blocks trainer | step at memory_every=1 | torch.save to tmpfs | "
         "step while persisting from memory | step while async save | kill→first step: memory | : run dir |"
@@ -231,6 +298,8 @@ def print_table(results: dict[str, Any]) -> None:
             f"build {rm['built']:.2f}, restore {rm['restored']:.2f}, first step {rm['first_step']:.2f}) "
             f"| {rd['kill_to_first_step']:.2f} s (step {rd['resumed_step']}; restore {rd['restored']:.2f}) |"
         )
+    if phases:
+        print_torchrun(phases)
 
 
 if __name__ == "__main__":

@@ -326,9 +326,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def process_started_at() -> float:
+    """When this process was created (Linux: /proc), so a restart's import time can be told apart; else now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:5] == "btime"
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    imported = time.time()
     args = parse_args(argv)
-    prewarm()  # what the first step and the restore import lazily, imported while the process group forms
+    warm = prewarm()  # what the first step and the restore import lazily, imported while the process group forms
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(steps=args.steps)
@@ -346,7 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_dir=args.memory_dir,
     )
     skip = (args.withhold,) if args.withhold else ()
+    if warm is not None:
+        warm.join()
+    ready = time.time()
     step = mgr.restore_latest(**trainer.state(), config=cfg, skip_fields=skip) or 0
+    restored = time.time()
     say = (lambda *a: None) if args.quiet or rank != 0 else (lambda *a: print(*a, flush=True))
     tier = f", from {mgr.last_restore.tier}" if mgr.last_restore is not None else ""
     say(
@@ -372,6 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if first_step:
             first_step = False
             say(f"first step of attempt {attempt} done at {time.time():.3f}")
+            say(
+                f"attempt {attempt} timings: process started at {process_started_at():.3f}, imports done at "
+                f"{imported:.3f}, process group and model ready at {ready:.3f}, restored at {restored:.3f}"
+            )
         say(f"step {step} loss {loss:.6f}")
         if mgr.checkpoint_if_due(step, every=args.every, **trainer.state(), config=cfg):
             saved_at = step
