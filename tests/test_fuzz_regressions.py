@@ -338,3 +338,59 @@ def test_run_directory_files_of_the_wrong_json_type(target: str, name: str, docu
     tree[name] = document
     args = {"cli_ls": ("run", "ls", "{root}"), "cli_gc_dry_run": ("run", "gc", "{root}", "--dry-run")}.get(target, ())
     assert_clean(run_target(target, box, tree, args=args, protected=dict(PROTECTED)))
+
+
+# ---------------------------------------------------------------- issue 23: the surfaces added since the harness
+
+
+def _memory_tree(**replace: object) -> Tree:
+    tree = dict(seeds()["memory"])
+    tree.update(replace)  # type: ignore[arg-type]
+    return {k: v for k, v in tree.items() if v is not None}
+
+
+def test_find_slots_lists_no_run_directory_that_is_a_symlink(box: Sandbox) -> None:
+    """The run's directory in the memory directory, a symlink to a directory elsewhere: find_slots (and so
+    ``ckpt rescue``) listed it and read the slots there (os.listdir outside the root); refused now, as a writer
+    refuses it (UnsafePathError)."""
+    tree: Tree = {"run-KEY": Symlink("sentinel-dir")}
+    assert_clean(run_target("memory_slots", box, tree, args=("memory",)))
+    assert_clean(run_target("cli_rescue", box, tree, args=("memory", "rescue", "{root}", "{dest}/run", "--json")))
+
+
+def test_rescue_never_persists_through_a_symlinked_checkpoint_directory(box: Sandbox) -> None:
+    """``run/step-000000006`` planted as a symlink to a directory elsewhere: persist opened it and wrote there
+    (the lock, the files); the slot is now reported and nothing is written outside."""
+    dest: Tree = {"run/step-000000006": Symlink("sentinel-dir")}
+    assert_clean(run_target("memory_rescue", box, _memory_tree(), dest, args=("memory",)))
+    assert not (box.work / "sentinel" / "dir" / "manifest.json").read_bytes().startswith(b'{"fields"')
+
+
+def test_a_training_args_pickle_of_a_million_opcodes_is_refused_quickly(box: Sandbox) -> None:
+    """400,000 opcodes nesting lists: decoded and walked (about 10 us an opcode) for over 5 s under the
+    oracle before a refusal, up to 1,000,000 allowed; now at most 100,000 (a TrainingArguments has under 2,000)."""
+    from hostile.seeds import training_args_pickle, training_args_zip
+
+    pickled = training_args_pickle()
+    n = 200_000
+    pickled = pickled[:-3] + b"X\x01\x00\x00\x00a" + b"]" * n + b"a" * (n - 1) + pickled[-3:]
+    outcome = run_target("training_args", box, {"training_args.bin": training_args_zip(pickled)}, args=("x",))
+    assert_clean(outcome)
+    assert outcome.status == "error"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 23: read_slice allocates the region before any chunk is checked")
+def test_a_zstd_tensor_claiming_far_more_raw_bytes_than_stored_is_refused_unallocated(box: Sandbox) -> None:
+    """A zstd tensor whose shape and frame_bytes are scaled by 2**36 (the frame count still agrees): read_slice
+    allocates the 384 TiB region (MemoryError under the harness's address-space cap) before the frame index is
+    checked. A zstd block decodes to at most 128 KiB from 4 stored bytes, so no chunk can hold more than
+    32768 times its stored bytes; a reader can refuse that, and check data files, before allocating."""
+    tree = dict(seeds()["zstd"])
+    doc = json.loads(tree["manifest.json"])  # type: ignore[arg-type]
+    record = doc["fields"]["weights"]["tensors"]["a"]
+    record["shape"][0] <<= 36
+    record["chunks"][0]["shape"][0] <<= 36
+    record["chunks"][0]["codec"]["configuration"]["frame_bytes"] <<= 36
+    tree["manifest.json"] = json.dumps(doc).encode()
+    assert_clean(run_target("zstd_read", box, tree, args=("zstd", "1")))
+    assert_clean(run_target("zstd_verify", box, tree, args=("zstd", "1")))  # verify's one-frame scratch, likewise

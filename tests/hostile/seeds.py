@@ -3,8 +3,12 @@
 Each seed is a :data:`~.mutators.Tree` (relative path -> bytes): a training checkpoint (a chunked tensor, every
 context field), a weights checkpoint (an empty tensor, a 0-d one), Hugging Face single-file and sharded layouts,
 a ``torch.save`` archive with an optimizer, a DCP directory written by ``torch.distributed.checkpoint.save``,
-and a run directory written by ``ckptfmt.torch.save`` (two committed checkpoints, ``latest.json``, ``pins.json``,
-a dead writer's remains, and a user's own directory that is not the run's to delete).
+a run directory written by ``ckptfmt.torch.save`` (two committed checkpoints, ``latest.json``, ``pins.json``,
+a dead writer's remains, and a user's own directory that is not the run's to delete), a checkpoint compressed
+with the ``zstd`` codec (several frames per chunk: byte-grouped fp32/bf16/fp64, ungrouped fp8, a chunked
+tensor), a memory directory holding a run's slot ring (spec/memory.md; its run key and run directory are
+placeholders a target fills in, see :data:`RUN_KEY`), and a Hugging Face Trainer ``checkpoint-N/`` whose
+``training_args.bin`` is a torch archive of a ``TrainingArguments`` pickle (written by hand: no transformers).
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ PROTECTED = {"notes/README.txt": USER_FILES["notes/README.txt"]}
 DEAD_LOCK = (
     b'{"host": "%s", "nonce": "00ff00ff00ff00ff", "pid": 999999999, "started_at": "2026-01-01T00:00:00.000000Z"}'
 )
+
+
+# The memory seed's placeholders: the run key directory (run_dir_key of the run URL) and the run directory URL
+# in the slots' binding metadata; both name the sandbox's destination, known only when a case runs.
+RUN_KEY = "run-KEY"
+RUN_DIR = "/RUN-DIR-PLACEHOLDER"
+ZSTD_FRAME_BYTES = 2048
 
 
 def read_tree(path: Path) -> Tree:
@@ -139,6 +150,107 @@ def _run_dir(path: Path) -> None:
         (path / rel).write_bytes(data)
 
 
+def _zstd(url: str) -> None:
+    from ckptfmt.codecs import WriteCodec
+
+    rng = np.random.default_rng(1)
+    codec = WriteCodec(name="zstd", frame_bytes=ZSTD_FRAME_BYTES)
+    with ckptfmt.open_writer(url, profile="weights", codec=codec) as w:  # type: ignore[arg-type]
+        w.write_tensor("weights", "a", rng.standard_normal((32, 48)).astype(np.float32))
+        w.write_tensor("weights", "b", rng.standard_normal(3000).astype(ml_dtypes.bfloat16))
+        w.write_tensor("weights", "c", rng.standard_normal(5000).astype(ml_dtypes.float8_e4m3fn))
+        d = rng.standard_normal((64, 40))
+        for start in (0, 32):
+            w.write_tensor("weights", "d", d[start : start + 32], global_shape=(64, 40), offsets=(start, 0))
+        w.write_tensor("weights", "small", np.arange(6, dtype=np.float32))  # raw: too small to compress
+        w.write_context("provenance", PROVENANCE)
+
+
+def zstd_arrays() -> dict[str, np.ndarray[Any, Any]]:
+    """The zstd seed's tensors, as written: what a read that returns must return."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((32, 48)).astype(np.float32)
+    b = rng.standard_normal(3000).astype(ml_dtypes.bfloat16)
+    c = rng.standard_normal(5000).astype(ml_dtypes.float8_e4m3fn)
+    d = rng.standard_normal((64, 40))
+    return {"a": a, "b": b, "c": c, "d": d, "small": np.arange(6, dtype=np.float32)}
+
+
+def _memory(path: Path) -> None:
+    """Two committed slots of one run (steps 5 and 6), bound to the placeholder run directory."""
+    from ckptfmt.tier import SlotBinding
+
+    rng = np.random.default_rng(2)
+    for index, step in ((0, 6), (1, 5)):
+        binding = SlotBinding(run_id="run-dir:" + RUN_DIR, run_dir=RUN_DIR, node="node-a", world_size=1, step=step)
+        with ckptfmt.open_writer(
+            str(path / RUN_KEY / f"slot-{index}"), profile="weights", metadata=binding.to_metadata()
+        ) as w:
+            w.write_tensor("weights", "w", rng.standard_normal((4, 3)).astype(np.float32))
+            w.write_context("provenance", {**PROVENANCE, "step": step})
+
+
+TRAINING_ARGS_STATE: dict[str, Any] = {
+    "output_dir": "out",
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 0.001,
+    "optim": "adamw_torch",
+    "hub_token": "secret",
+    "lr_scheduler_kwargs": {"power": 1.0},
+    "report_to": ["none"],
+}
+
+
+def training_args_pickle(state: dict[str, Any] | None = None) -> bytes:
+    """A pickled ``TrainingArguments`` as torch.save writes one (NEWOBJ of the class, BUILD of its __dict__, an
+    enum as a call of its class with its value), made without transformers: nothing here is ever unpickled."""
+    import pickle
+    import pickletools
+
+    def plain(value: Any) -> bytes:
+        return pickle.dumps(value, protocol=2)[2:-1]  # no PROTO, no STOP
+
+    body = b""
+    for key, value in (state or TRAINING_ARGS_STATE).items():
+        body += plain(key) + plain(value)
+    body += plain("eval_strategy") + b"ctransformers.trainer_utils\nIntervalStrategy\n" + plain("steps") + b"\x85R"
+    head = b"\x80\x02ctransformers.training_args\nTrainingArguments\n)\x81}("
+    return pickletools.optimize(head + body + b"ub.")
+
+
+def training_args_zip(pickled: bytes) -> bytes:
+    """``training_args.bin`` as torch.save writes it: a zip archive whose ``<name>/data.pkl`` holds the pickle."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("training_args/data.pkl", pickled)
+        z.writestr("training_args/byteorder", b"little")
+        z.writestr("training_args/version", b"3\n")
+    return out.getvalue()
+
+
+def _hf_trainer(path: Path, weights: Tree) -> None:
+    import json
+    import random
+
+    import torch
+
+    _, optimizer = _torch_state()
+    path.mkdir()
+    for name, data in weights.items():
+        if isinstance(data, bytes):
+            (path / name).write_bytes(data)
+    torch.save(optimizer.state_dict(), path / "optimizer.pt")
+    rng_state = {"python": random.Random(0).getstate(), "numpy": np.random.RandomState(0).get_state()}
+    torch.save({**rng_state, "cpu": torch.random.get_rng_state()}, path / "rng_state.pth")
+    state = {"global_step": 3, "epoch": 1.0, "train_batch_size": 2, "max_steps": 6, "log_history": []}
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    (path / "training_args.bin").write_bytes(training_args_zip(training_args_pickle()))
+
+
 @functools.lru_cache(maxsize=1)
 def seeds() -> dict[str, Tree]:
     """Every seed tree, by name."""
@@ -154,9 +266,13 @@ def seeds() -> dict[str, Tree]:
         _pt(base / "model.pt")
         _dcp(base / "dcp")
         _run_dir(base / "run")
-        for name in ("training", "weights", "hf-single", "hf-sharded", "dcp", "run"):
+        _zstd(str(base / "zstd"))
+        _memory(base / "memory")
+        for name in ("training", "weights", "hf-single", "hf-sharded", "dcp", "run", "zstd", "memory"):
             out[name] = read_tree(base / name)
         out["pt"] = {"model.pt": (base / "model.pt").read_bytes()}
+        _hf_trainer(base / "hf-trainer", out["hf-single"])
+        out["hf-trainer"] = read_tree(base / "hf-trainer")
     return out
 
 

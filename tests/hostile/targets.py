@@ -302,6 +302,59 @@ CHECKPOINTS = ("training", "weights")
 def all_targets() -> list[Target]:
     """Every target with its example count in the default run (about 10^5 in all, parsers the most)."""
     api_ckpt = _tree_case(*CHECKPOINTS)
+    return _targets(api_ckpt) + _later_surfaces()
+
+
+def _later_surfaces() -> list[Target]:
+    """The surfaces added after the harness (issue 23): the zstd codec, the run directory's pointer files, the
+    memory tier's slots and rescue, the Trainer's training_args.bin. Their own oracles live beside their cases."""
+    from . import codec_cases, memory_cases, rundir_cases, trainer_cases
+    from .rundir_cases import cli_checked, keep_last_of
+
+    memory = memory_cases.make_memory_case
+    pointers = rundir_cases.make_pointer_case
+    trainer = trainer_cases.make_trainer_case
+    return [
+        Target("zstd_read", "api", 45, codec_cases.make_zstd_case, codec_cases.read_zstd),
+        Target("zstd_verify", "api", 20, codec_cases.make_zstd_case, codec_cases.verify_zstd),
+        Target(
+            "cli_zstd",
+            "cli",
+            15,
+            _with_args(codec_cases.make_zstd_case, ("verify", R, "--json"), ("inspect", R, "--tensors")),
+            _clirunner,
+        ),
+        Target("run_pointers", "api", 8, pointers, rundir_cases.run_directory),
+        Target("cli_ls_pointers", "cli", 10, _with_args(pointers, ("ls", R), ("ls", R, "--json")), _clirunner),
+        Target(
+            "cli_gc_pointers",
+            "cli",
+            10,
+            _with_args(pointers, ("gc", R, "--keep-last", "1"), ("gc", R), ("gc", R, "--dry-run", "--keep-last", "1")),
+            cli_checked(keep_last_of),
+        ),
+        Target("memory_slots", "api", 40, memory, memory_cases.slots_api),
+        Target("memory_rescue", "api", 25, memory, memory_cases.rescue_api),
+        Target(
+            "cli_rescue",
+            "cli",
+            12,
+            _with_args(memory, ("rescue", R, D + "/run", "--json"), ("rescue", R, D + "/run")),
+            memory_cases.rescue_cli,
+        ),
+        Target("training_args", "api", 80, trainer_cases.make_args_case, trainer_cases.read_args),
+        Target("import_hf_trainer", "api", 15, trainer, _convert("ckptfmt", "hf-trainer")),
+        Target(
+            "cli_convert_from_hf_trainer",
+            "cli",
+            6,
+            _with_args(trainer, ("convert", R, D + "/out", "--to", "ckptfmt", "--from", "hf-trainer")),
+            _clirunner,
+        ),
+    ]
+
+
+def _targets(api_ckpt: Callable[[Random], Case]) -> list[Target]:
     return [
         # parsers: bytes in
         Target("parse_manifest", "parser", 4_000, _bytes_case("manifest", mutate_manifest), _parse_manifest),
