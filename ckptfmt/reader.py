@@ -54,9 +54,12 @@ from .storage import Store, open_store
 from .verify import VerifyReport, verify_checkpoint
 
 
-def _encoded_read(field: str, name: str, item: ReadItem, target: memoryview, itemsize: int) -> ChunkRead:
+def _encoded_read(
+    field: str, name: str, item: ReadItem, target: memoryview, itemsize: int, *, plan_only: bool = False
+) -> ChunkRead:
     """A read of only the frames of an encoded chunk that ``item`` touches, decoded into ``target`` (the
-    chunk's raw bytes) on the fetching thread. An unknown codec refuses this tensor only (TEN-14)."""
+    chunk's raw bytes) on the fetching thread. An unknown codec refuses this tensor only (TEN-14).
+    ``plan_only``: check the chunk's frame index (the codec's refusals) and stop; ``target`` is not used."""
     chunk = item.chunk
     where = {"path": chunk.path, "field": field, "tensor": name}
     codec = get_codec(chunk.codec.name, **where)
@@ -65,9 +68,14 @@ def _encoded_read(field: str, name: str, item: ReadItem, target: memoryview, ite
     last = [s.stop - 1 for s in item.source]
     raw_begin = int(np.ravel_multi_index(first, chunk.shape)) * itemsize
     raw_end = (int(np.ravel_multi_index(last, chunk.shape)) + 1) * itemsize
+    raw_size = len(target)
+    if plan_only:
+        raw_size = itemsize
+        for d in chunk.shape:
+            raw_size *= d
     try:
         span = codec.plan_frames(
-            chunk.codec, stored_size=chunk.nbytes, raw_size=len(target), raw_begin=raw_begin, raw_end=raw_end
+            chunk.codec, stored_size=chunk.nbytes, raw_size=raw_size, raw_begin=raw_begin, raw_end=raw_end
         )
     except CheckpointError as exc:
         exc.locate(**where)
@@ -84,6 +92,17 @@ def _encoded_read(field: str, name: str, item: ReadItem, target: memoryview, ite
         span=(chunk.begin + span.stored_begin, chunk.begin + span.stored_end),
         decode=decode,
     )
+
+
+def _checked_plan(field: str, name: str, record: TensorRecord, region: geometry.Box, itemsize: int) -> list[ReadItem]:
+    """The chunks a region needs, with every encoded chunk's frame index checked before anything is allocated:
+    a chunk claiming more raw bytes than its codec can make of its stored ones (a decompression bomb) is
+    refused here, not allocated for."""
+    items = plan_region(record, region[0], region[1])
+    for item in items:
+        if item.chunk.codec.name != RAW:
+            _encoded_read(field, name, item, memoryview(b""), itemsize, plan_only=True)
+    return items
 
 
 def read_manifest_bytes(store: Store) -> bytes:
@@ -220,23 +239,30 @@ class Checkpoint:
         except CheckpointError as exc:
             exc.locate(field=field, tensor=name)
             raise
+        items = _checked_plan(field, name, record, region, dtype.itemsize)
         out = np.empty(region[1], dtype=dtype)
         if out.size == 0:
             return out
-        reads, copies = self._plan_reads(field, name, record, region, out)
+        reads, copies = self._plan_reads(field, name, record, region, out, items)
         self._fetch(reads, verify=verify, workers=4)  # chunks of several files (encoded ones: decoded) in parallel
         for buf, item in copies:
             out[item.target] = buf[item.source]
         return out
 
     def _plan_reads(
-        self, field: str, name: str, record: TensorRecord, region: geometry.Box, out: np.ndarray[Any, Any]
+        self,
+        field: str,
+        name: str,
+        record: TensorRecord,
+        region: geometry.Box,
+        out: np.ndarray[Any, Any],
+        items: Sequence[ReadItem],
     ) -> tuple[list[ChunkRead], list[tuple[np.ndarray[Any, Any], ReadItem]]]:
         """The chunk reads that fill ``out`` with ``region``: straight into it where a chunk is exactly the
         region, else into a chunk-sized buffer that is copied from after the read."""
         reads: list[ChunkRead] = []
         copies: list[tuple[np.ndarray[Any, Any], ReadItem]] = []
-        for item in plan_region(record, region[0], region[1]):
+        for item in items:
             if item.direct:
                 target = out
             else:
@@ -394,11 +420,12 @@ class Checkpoint:
             except CheckpointError as exc:
                 exc.locate(field=field, tensor=name)
                 raise
+            whole: geometry.Box = ((0,) * len(record.shape), record.shape)
+            items = _checked_plan(field, name, record, whole, dtype.itemsize)
             array = out[name] = np.empty(record.shape, dtype=dtype)
             if array.size == 0:
                 continue
-            whole: geometry.Box = ((0,) * len(record.shape), record.shape)
-            tensor_reads, tensor_copies = self._plan_reads(field, name, record, whole, array)
+            tensor_reads, tensor_copies = self._plan_reads(field, name, record, whole, array, items)
             reads.extend(tensor_reads)
             copies.extend((buf, item, array) for buf, item in tensor_copies)
         self._fetch(reads, verify=verify, workers=workers)

@@ -199,6 +199,21 @@ def _chunk(doc: Json, name: str) -> Json:
     return doc["fields"]["weights"]["tensors"][name]["chunks"][0]
 
 
+def _bomb(t: Tree) -> None:
+    """Tensor w's shape and frame_bytes scaled by 2**36: the frame count still agrees, the claimed raw size
+    does not fit any zstd expansion of its stored bytes."""
+    to_zstd(t)
+
+    def scale(doc: Json) -> None:
+        record = doc["fields"]["weights"]["tensors"]["w"]
+        record["shape"][0] <<= 36
+        chunk = record["chunks"][0]
+        chunk["shape"][0] <<= 36
+        chunk["codec"]["configuration"]["frame_bytes"] <<= 36
+
+    t.edit(scale)
+
+
 def _rename_codec(t: Tree) -> None:
     to_zstd(t)
     t.edit(lambda d: _chunk(d, "w")["codec"].update(name="org.example.zstd2"))
@@ -282,6 +297,15 @@ VECTORS: tuple[Invalid, ...] = (
         ("COD-4",),
         "Tensor w (zstd): its configuration has a member 'delta' that spec/codecs.md does not define.",
         _tampered(unknown_member),
+        base="zstd",
+        scope="tensor",
+    ),
+    Invalid(
+        "zstd-expansion-bomb",
+        ("COD-4",),
+        "Tensor w (zstd): its shape and 'frame_bytes' scaled by 2**36 (the frame count still agrees): hundreds of "
+        "TiB claimed from 10 KiB stored, more than zstd can expand; refused before anything is allocated.",
+        _bomb,
         base="zstd",
         scope="tensor",
     ),

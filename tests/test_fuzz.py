@@ -47,11 +47,7 @@ DEFAULT_TOTAL = sum(t.count for t in TARGETS)
 # Known defects, each pinned by a strict-xfail regression test in tests/test_fuzz_regressions.py: regular expressions
 # matched against "<target> <Outcome.signature>". Remove an entry once its fix lands (its regression test then
 # fails as XPASS(strict) until its xfail mark goes too).
-KNOWN: list[str] = [
-    # test_a_zstd_tensor_claiming_far_more_raw_bytes_than_stored_is_refused_unallocated
-    r"zstd_read exception: numpy\._core\._exceptions\._ArrayMemoryError .*reader\.py",
-    r"zstd_verify exception: builtins\.MemoryError .*verify\.py",
-]
+KNOWN: list[str] = []
 
 
 def is_known(target: str, signature: str) -> bool:

@@ -379,7 +379,6 @@ def test_a_training_args_pickle_of_a_million_opcodes_is_refused_quickly(box: San
     assert outcome.status == "error"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23: read_slice allocates the region before any chunk is checked")
 def test_a_zstd_tensor_claiming_far_more_raw_bytes_than_stored_is_refused_unallocated(box: Sandbox) -> None:
     """A zstd tensor whose shape and frame_bytes are scaled by 2**36 (the frame count still agrees): read_slice
     allocates the 384 TiB region (MemoryError under the harness's address-space cap) before the frame index is

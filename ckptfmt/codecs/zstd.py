@@ -32,6 +32,9 @@ FRAME_BYTES = 4 << 20  # raw bytes per frame: the granularity of random access
 _BLOCK = 128 << 10  # bytes (re)grouped at a time: three scratch blocks stay in a core's L2 cache
 MIN_COMPRESS_BYTES = 4096  # smaller chunks stay raw: a frame header and checksum would eat the gain
 MAX_FRAMES = 1 << 24
+# No zstd block decodes to more than 128 KiB, and none takes fewer than 4 stored bytes (an RLE block: a 3-byte
+# header and the byte), so no chunk can hold more raw bytes than this many times its stored ones (COD-4).
+MAX_EXPANSION = (128 << 10) // 4
 _FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 _COMPRESSIBLE = _FLOATING | {"I64", "I32", "I16", "U64", "U32", "U16"}
 _CONFIG_MEMBERS = frozenset({"frame_bytes", "frames", "bytegroup", "sign_last", "level"})
@@ -270,6 +273,12 @@ def _frames(codec: Codec, *, stored_size: int, raw_size: int) -> tuple[int, list
     unknown = sorted(set(config) - _CONFIG_MEMBERS)
     if unknown:  # every member but 'level' changes how the bytes decode: one not understood is refused
         raise ManifestError(f"zstd configuration has members this reader does not know: {unknown}", requirement="COD-4")
+    if raw_size > MAX_EXPANSION * stored_size:
+        raise ManifestError(
+            f"zstd chunk claims {raw_size} raw bytes from {stored_size} stored; zstd cannot expand more than "
+            f"{MAX_EXPANSION}x",
+            requirement="COD-4",
+        )
     expected = -(-raw_size // frame)
     if len(sizes) != expected or len(sizes) > MAX_FRAMES:
         raise ManifestError(
