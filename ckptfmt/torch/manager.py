@@ -204,8 +204,13 @@ class CheckpointManager:
         """A memory snapshot of the full training state (persisted afterwards when ``persist``)."""
         assert self._memory is not None
         self._memory.wait_snapshot()
-        if self._memory.newest is not None:
-            self.last_checkpoint_id = self._memory.newest[2]
+        newest = self._memory.newest
+        if newest is not None:
+            self.last_checkpoint_id = newest[2]
+            if newest[1] == step == self._step:  # this step is in a slot already (a save() after checkpoint_if_due)
+                if persist:
+                    self._memory.persist_slot(newest[0])
+                return
         if sampler is None and loader is None:
             loader = self.loader
         snap = api.capture(

@@ -326,6 +326,11 @@ class MemorySnapshots:
             self._waiting = (slot, step if step is not None else -1)
         self._persists.append(self._persister.submit(self._persist_waiting))
 
+    def persist_slot(self, slot: int) -> None:
+        """Persist the committed snapshot in ``slot`` in the background (rank 0; the others have nothing to do)."""
+        if self.rank == 0:
+            self._submit_persist(slot)
+
     def _persist_waiting(self) -> Persisted | None:
         with self._lock:
             waiting, self._waiting = self._waiting, None
