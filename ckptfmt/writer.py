@@ -38,8 +38,15 @@ from .codecs import WriteCodec, writer_codec
 from .collective import Collective, decode_status, encode_status
 from .commit import Committer
 from .context import encode
-from .digests import DEFAULT_ALGORITHM, new_hasher
-from .errors import CheckpointError, CollectiveError, MissingFileError, SizeMismatchError, UsageError
+from .digests import DEFAULT_ALGORITHM, algorithm_of, digest_of, new_hasher
+from .errors import (
+    CheckpointError,
+    CollectiveError,
+    DigestMismatchError,
+    MissingFileError,
+    SizeMismatchError,
+    UsageError,
+)
 from .executor import WriteExecutor
 from .fields import check_standard_field
 from .manifest import RAW
@@ -51,6 +58,7 @@ from .storage import Store
 log = logging.getLogger("ckptfmt")
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
 COORDINATOR = 0
+RECHECK_BYTES = 1 << 20  # the coordinator re-hashes other ranks' files up to this size before it commits
 
 
 def _now() -> str:
@@ -434,3 +442,13 @@ def _check_visible(store: Store, results: list[RankResult]) -> None:
                     path=record.path,
                     requirement="COM-21",
                 )
+            if result.rank != COORDINATOR and size <= RECHECK_BYTES:
+                # Small files (context blobs, small data files) cost a read each: their digests are checked too.
+                # Larger data files' digests are the ranks' word; re-reading them would double a save's I/O.
+                got = digest_of(algorithm_of(record.digest), store.read(record.path, max_size=RECHECK_BYTES))
+                if got != record.digest:
+                    raise DigestMismatchError(
+                        f"hashes to {got} for the coordinator, rank {result.rank} reported {record.digest}",
+                        path=record.path,
+                        requirement="COM-21",
+                    )

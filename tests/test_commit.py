@@ -6,6 +6,7 @@ other rank's pending collective fail at once, as a dead process makes gloo fail.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from test_multirank import BOUNDS, FULL, run_ranks
 
 import ckptfmt
 from ckptfmt import CollectiveError, ThreadCollective
-from ckptfmt.errors import CheckpointError, MissingFileError
+from ckptfmt.errors import CheckpointError, DigestMismatchError, MissingFileError
 from ckptfmt.paths import LOCK_NAME
 
 
@@ -147,3 +148,25 @@ def test_ranks_that_do_not_share_storage_commit_nothing(tmp_path: Path) -> None:
     assert all(isinstance(r, MissingFileError) for r in results), results
     assert "same storage" in str(results[0]) and results[0].requirement == "COM-21"  # type: ignore[union-attr]
     assert not (tmp_path / "node-0" / "manifest.json").exists()
+
+
+class LiesAboutADigest(SendsInstead):
+    """A rank whose report claims another digest for its first file (its bytes are on disk as written)."""
+
+    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+        status = json.loads(data)
+        result = json.loads(status["ok"]["result"])
+        algorithm = result["files"][0]["digest"].partition(":")[0]
+        result["files"][0]["digest"] = f"{algorithm}:" + "0" * len(result["files"][0]["digest"].partition(":")[2])
+        status["ok"]["result"] = json.dumps(result)
+        return self.inner.gather(json.dumps(status).encode(), dst=dst)
+
+
+def test_a_rank_reporting_a_false_digest_is_caught_at_commit(tmp_path: Path) -> None:
+    def body(rank: int, collective: ThreadCollective) -> str:
+        return _write(tmp_path, rank, LiesAboutADigest(collective, b"") if rank == 2 else collective)
+
+    results = run_ranks(4, body, timeout=5.0)
+    assert all(isinstance(r, DigestMismatchError) for r in results), results
+    assert "rank 2 reported" in str(results[0])
+    assert not (tmp_path / "manifest.json").exists()
