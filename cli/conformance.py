@@ -27,7 +27,7 @@ def conformance_cmd() -> None:
     type=click.IntRange(min=1),
     default=os.cpu_count() or 1,
     show_default=True,
-    help="Reader processes at once.",
+    help="Adapter processes at once (readers and writers).",
 )
 @click.option(
     "--timeout",

@@ -18,7 +18,7 @@ from . import SPEC, VECTORS
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--reader", metavar="CMD", help="reader command; called as CMD <checkpoint dir>")
     run.add_argument("--writer", metavar="CMD", help="writer command; called as CMD <writer-input.json> <out dir>")
-    run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="reader processes at once (default: CPUs)")
+    run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="adapter processes at once (default: CPUs)")
     run.add_argument("--timeout", type=float, default=120.0, help="seconds an adapter may take per call (120)")
     run.add_argument("--vectors", type=Path, default=None, help="vector tree (default: the suite's own)")
     run.add_argument("--only", action="append", default=[], metavar="PATTERN", help="vector name or requirement ID")

@@ -235,11 +235,14 @@ def _scenario(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Result:
     )
 
 
-def run_writer(cmd: list[str], todo: list[Vector], timeout: float = TIMEOUT) -> list[Result]:
-    """One result per writer input (valid vectors that have one) and per writer scenario of ``todo``."""
-    results = []
-    for vec in (v for v in todo if v.writes):
+def run_writer(cmd: list[str], todo: list[Vector], timeout: float = TIMEOUT, jobs: int = 1) -> list[Result]:
+    """One result per writer input (valid vectors that have one) and per writer scenario of ``todo``, in order,
+    running up to ``jobs`` of them at once (each in a directory of its own)."""
+
+    def one(vec: Vector) -> Result:
         with tempfile.TemporaryDirectory(prefix="ckptfmt-conformance-") as tmp:
             run = _scenario if vec.kind == "writer" else _write_valid
-            results.append(run(cmd, vec, Path(tmp), timeout))
-    return results
+            return run(cmd, vec, Path(tmp), timeout)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, [v for v in todo if v.writes]))

@@ -86,7 +86,7 @@ def run(options: Options, out: TextIO, err: TextIO) -> int:
             command = options.writer
             ids = ", ".join([rid for rid, _ in CHECKS] + [DETERMINISM])
             print(f"every checkpoint written is read back by the reference reader and checked for {ids}", file=out)
-            results += run_writer(shlex.split(command), writes, options.timeout)
+            results += run_writer(shlex.split(command), writes, options.timeout, options.jobs)
     except OSError as exc:  # the command cannot be started at all
         print(f"cannot run {command!r}: {exc}", file=err)
         return 2
