@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
 from .base import Capabilities, OutputFile, Store
 from .local import LocalStore
-from .remote import FsspecStore
+
+if TYPE_CHECKING:
+    from .remote import FsspecStore
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Store:
@@ -31,7 +33,17 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
         fs, root = fsspec.core.url_to_fs(text, **options)
     except (ImportError, ValueError) as exc:
         raise StorageError(f"no storage backend for {text!r}: {exc}") from exc
+    from .remote import FsspecStore  # asyncio and friends: only for a store that needs them (30 ms a process)
+
     return FsspecStore(fs, root, text)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FsspecStore":
+        from .remote import FsspecStore
+
+        return FsspecStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Capabilities", "FsspecStore", "LocalStore", "OutputFile", "Store", "open_store"]
