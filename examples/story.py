@@ -21,7 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"
@@ -36,27 +38,41 @@ def banner(text: str) -> None:
     print(f"\n=== {text}", flush=True)
 
 
-def run(cmd: list[str], *, expect: int = 0) -> subprocess.CompletedProcess[str]:
-    shown = " ".join(
+def shown(cmd: list[str]) -> str:
+    return " ".join(
         ["ckpt", *cmd[len(CKPT) :]]
         if cmd[: len(CKPT)] == CKPT
         else ["python", *(Path(c).name if c == str(TRAIN) else c for c in cmd[1:])]
     )
-    print(f"$ {shown}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    for line in proc.stdout.splitlines():
-        print(f"  {line}")
-    for line in proc.stderr.splitlines():
+
+
+def execute(cmd: list[str], after: Future[Any] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (once ``after`` is done), output captured; :func:`show` prints it in the story's order."""
+    if after is not None:
+        after.result()
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+def show(proc: subprocess.CompletedProcess[str], *, expect: int = 0) -> subprocess.CompletedProcess[str]:
+    print(f"$ {shown(list(proc.args))}", flush=True)
+    for line in (*proc.stdout.splitlines(), *proc.stderr.splitlines()):
         print(f"  {line}")
     if proc.returncode != expect:
         sys.exit(f"story: expected exit code {expect}, got {proc.returncode}")
     return proc
 
 
-def train(run_dir: Path, losses: Path, *extra: str, expect: int = 0) -> list[list[float]]:
+def run(cmd: list[str], *, expect: int = 0) -> subprocess.CompletedProcess[str]:
+    return show(execute(cmd), expect=expect)
+
+
+def train_cmd(run_dir: Path, losses: Path, *extra: str) -> list[str]:
     cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
-    run([*cmd, "--losses-out", str(losses), "--quiet", *extra], expect=expect)
-    return json.loads(losses.read_text())["losses"]  # type: ignore[no-any-return]
+    return [*cmd, "--losses-out", str(losses), "--quiet", *extra]
+
+
+def losses_of(path: Path) -> list[list[float]]:
+    return json.loads(path.read_text())["losses"]  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -64,55 +80,66 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     started = time.perf_counter()
-
-    banner(f"1. the reference: {STEPS} steps, uninterrupted")
-    reference = train(out / "reference", out / "reference-losses.json")
-
-    banner(f"2. the same run, SIGKILLed right after its step-{KILL} checkpoint (2 DataLoader workers)")
-    first = train(
-        out / "run",
-        out / "run-losses-1.json",
-        "--workers",
-        "2",
-        "--kill-after-checkpoint-step",
-        str(KILL),
-        expect=-signal.SIGKILL,
-    )
-    print(f"  killed: exit status -{signal.SIGKILL} (SIGKILL) after step {first[-1][0]}")
-
-    banner("3. start it again: it resumes from the newest good checkpoint")
-    second = train(out / "run", out / "run-losses-2.json", "--workers", "2")
-    print(f"  resumed at step {second[0][0] - 1}, ran to step {second[-1][0]}")
-
-    final = f"step-{STEPS:09d}"
-    banner("4. list the run and verify its final checkpoint")
-    run([*CKPT, "ls", str(out / "run")])
-    run([*CKPT, "verify", str(out / "run" / final)])
-
-    banner("5. is the resumed run the same run?")
-    losses = first + second
-    same = losses == reference
-    print(f"  per-step losses, steps 1-{STEPS}: {'bit-identical' if same else 'DIFFERENT'} to the reference")
-    for (step, a), (_, b) in zip(reference, losses, strict=True):
-        if step in (1, KILL, KILL + 1, STEPS) or a != b:
-            print(f"    step {step:2d}: reference {a!r:<20} resumed {b!r}")
-    run([*CKPT, "diff", str(out / "reference" / final), str(out / "run" / final), "--ignore", "provenance"])
-    if not same:
-        sys.exit("story: the resumed run diverged")
-
-    banner(f"6. the memory tier: a snapshot every step, durable every {MEMORY_EVERY}; SIGKILL at step {MEMORY_KILL}")
     memory = ["--memory-every", "1", "--memory-dir", str(out / "node-memory"), "--every", str(MEMORY_EVERY)]
-    killed = train(
-        out / "memory-run",
-        out / "memory-losses-1.json",
-        *memory,
-        "--kill-at-step",
-        str(MEMORY_KILL),
-        expect=-signal.SIGKILL,
-    )
-    durable = sorted(p.name for p in (out / "memory-run").glob("step-*"))
-    print(f"  killed after step {killed[-1][0]}; durable checkpoints: {', '.join(durable)}")
-    resumed = train(out / "memory-run", out / "memory-losses-2.json", *memory)
+    kill = ["--workers", "2", "--kill-after-checkpoint-step", str(KILL)]
+    # The training runs go two at a time (the reference beside the killed run, each resume after its kill);
+    # their output is printed below in the story's order.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ref_job = pool.submit(execute, train_cmd(out / "reference", out / "reference-losses.json"))
+        killed_job = pool.submit(execute, train_cmd(out / "run", out / "run-losses-1.json", *kill))
+        resumed_job = pool.submit(
+            execute, train_cmd(out / "run", out / "run-losses-2.json", "--workers", "2"), killed_job
+        )
+        memory_killed = train_cmd(
+            out / "memory-run", out / "memory-losses-1.json", *memory, "--kill-at-step", str(MEMORY_KILL)
+        )
+        memory_killed_job = pool.submit(execute, memory_killed)
+        durable_job = pool.submit(
+            lambda: (memory_killed_job.result(), sorted(p.name for p in (out / "memory-run").glob("step-*")))[1]
+        )
+        memory_resumed_job = pool.submit(
+            execute, train_cmd(out / "memory-run", out / "memory-losses-2.json", *memory), durable_job
+        )
+
+        banner(f"1. the reference: {STEPS} steps, uninterrupted")
+        show(ref_job.result())
+        reference = losses_of(out / "reference-losses.json")
+
+        banner(f"2. the same run, SIGKILLed right after its step-{KILL} checkpoint (2 DataLoader workers)")
+        show(killed_job.result(), expect=-signal.SIGKILL)
+        first = losses_of(out / "run-losses-1.json")
+        print(f"  killed: exit status -{signal.SIGKILL} (SIGKILL) after step {first[-1][0]}")
+
+        banner("3. start it again: it resumes from the newest good checkpoint")
+        show(resumed_job.result())
+        second = losses_of(out / "run-losses-2.json")
+        print(f"  resumed at step {second[0][0] - 1}, ran to step {second[-1][0]}")
+
+        final = f"step-{STEPS:09d}"
+        banner("4. list the run and verify its final checkpoint")
+        run([*CKPT, "ls", str(out / "run")])
+        run([*CKPT, "verify", str(out / "run" / final)])
+
+        banner("5. is the resumed run the same run?")
+        losses = first + second
+        same = losses == reference
+        print(f"  per-step losses, steps 1-{STEPS}: {'bit-identical' if same else 'DIFFERENT'} to the reference")
+        for (step, a), (_, b) in zip(reference, losses, strict=True):
+            if step in (1, KILL, KILL + 1, STEPS) or a != b:
+                print(f"    step {step:2d}: reference {a!r:<20} resumed {b!r}")
+        run([*CKPT, "diff", str(out / "reference" / final), str(out / "run" / final), "--ignore", "provenance"])
+        if not same:
+            sys.exit("story: the resumed run diverged")
+
+        title = (
+            f"6. the memory tier: a snapshot every step, durable every {MEMORY_EVERY}; SIGKILL at step {MEMORY_KILL}"
+        )
+        banner(title)
+        show(memory_killed_job.result(), expect=-signal.SIGKILL)
+        killed = losses_of(out / "memory-losses-1.json")
+        print(f"  killed after step {killed[-1][0]}; durable checkpoints: {', '.join(durable_job.result())}")
+        show(memory_resumed_job.result())
+        resumed = losses_of(out / "memory-losses-2.json")
     print(f"  resumed at step {resumed[0][0] - 1} from node memory (without it: step {MEMORY_EVERY}), ran to {STEPS}")
     run([*CKPT, "verify", str(out / "memory-run" / final)])
     ignore = ["--ignore", "provenance", "--ignore", "metadata.ckptfmt.memory.*"]
