@@ -29,6 +29,10 @@ a SIGKILL).
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.time()  # before the imports: a restarted worker's import time is measured from here
+
 import argparse
 import json
 import logging
@@ -37,7 +41,6 @@ import os
 import random
 import signal
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,18 +329,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def process_started_at() -> float:
-    """When this process was created (Linux: /proc), so a restart's import time can be told apart; else now."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
-        boot = next(
-            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:5] == "btime"
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     imported = time.time()
     args = parse_args(argv)
@@ -390,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             first_step = False
             say(f"first step of attempt {attempt} done at {time.time():.3f}")
             say(
-                f"attempt {attempt} timings: process started at {process_started_at():.3f}, imports done at "
+                f"attempt {attempt} timings: process started at {STARTED:.3f}, imports done at "
                 f"{imported:.3f}, process group and model ready at {ready:.3f}, restored at {restored:.3f}"
             )
         say(f"step {step} loss {loss:.6f}")
