@@ -19,12 +19,11 @@ from ckptfmt.errors import CheckpointError, DigestMismatchError, MissingFileErro
 from ckptfmt.paths import LOCK_NAME
 
 
-class DiesAfterCommit:
-    """Rank 0's collective: it dies right after the manifest is durable, before telling anyone the outcome."""
+class Wrapped:
+    """A rank's collective passing everything to ``inner``; the subclasses below change one thing."""
 
     def __init__(self, inner: ThreadCollective) -> None:
         self.inner = inner
-        self.broadcasts = 0
 
     @property
     def rank(self) -> int:
@@ -36,6 +35,17 @@ class DiesAfterCommit:
 
     def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
         return self.inner.gather(data, dst=dst)
+
+    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
+        return self.inner.broadcast(data, src=src)
+
+
+class DiesAfterCommit(Wrapped):
+    """Rank 0's collective: it dies right after the manifest is durable, before telling anyone the outcome."""
+
+    def __init__(self, inner: ThreadCollective) -> None:
+        super().__init__(inner)
+        self.broadcasts = 0
 
     def broadcast(self, data: bytes | None, *, src: int) -> bytes:
         self.broadcasts += 1
@@ -85,26 +95,15 @@ def test_a_coordinator_whose_gather_fails_releases_its_lock_and_files(tmp_path: 
     assert ckptfmt.verify(tmp_path).ok
 
 
-class SendsInstead:
+class SendsInstead(Wrapped):
     """A rank's collective that sends ``payload`` in place of its report (a buggy or hostile rank)."""
 
     def __init__(self, inner: ThreadCollective, payload: bytes) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.payload = payload
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
         return self.inner.gather(self.payload, dst=dst)
-
-    def broadcast(self, data: bytes | None, *, src: int) -> bytes:
-        return self.inner.broadcast(data, src=src)
 
 
 @pytest.mark.parametrize(

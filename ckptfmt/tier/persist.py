@@ -31,7 +31,7 @@ from ..errors import (
     UnsafePathError,
     UsageError,
 )
-from ..manifest import checkpoint_id, parse_manifest
+from ..manifest import Manifest, checkpoint_id, parse_manifest
 from ..paths import MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..run import RunDirectory, checkpoint_name
@@ -141,14 +141,7 @@ def persist(
         return _persist_encoded(source, run, step=step, codec=codec, update_latest=update_latest)
     throttle = throttle or Throttle()
     started = time.perf_counter()
-    src = open_store(source)
-    data = read_manifest_bytes(src)
-    manifest = parse_manifest(data)
-    ckpt_id = checkpoint_id(data)
-    if step is None:
-        step = SlotBinding.from_metadata(manifest.metadata).step
-    name = checkpoint_name(step)
-    _refuse_special_child(run, name)
+    src, manifest, ckpt_id, step, name = _source(source, step, run)
     dst = open_store(run.child_url(name), run.storage_options)
 
     def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
@@ -203,6 +196,21 @@ def _refuse_special_child(run: RunDirectory, name: str) -> None:
         raise UnsafePathError("is a symlink or not a directory: not persisted into", path=path)
 
 
+def _source(
+    source: str | os.PathLike[str], step: int | None, run: RunDirectory
+) -> tuple[Store, Manifest, str, int, str]:
+    """The snapshot to persist: its store, manifest, checkpoint id, step (default: its binding's) and the name
+    of its durable copy, which must not be a symlink or special file in ``run``."""
+    src = open_store(source)
+    data = read_manifest_bytes(src)
+    manifest = parse_manifest(data)
+    if step is None:
+        step = SlotBinding.from_metadata(manifest.metadata).step
+    name = checkpoint_name(step)
+    _refuse_special_child(run, name)
+    return src, manifest, checkpoint_id(data), step, name
+
+
 def _existing_id(store: Store) -> str | None:
     try:
         if not store.exists(MANIFEST_NAME):
@@ -228,14 +236,7 @@ def _persist_encoded(
     from ..reader import open_checkpoint
 
     started = time.perf_counter()
-    src = open_store(source)
-    data = read_manifest_bytes(src)
-    manifest = parse_manifest(data)
-    snapshot_id = checkpoint_id(data)
-    if step is None:
-        step = SlotBinding.from_metadata(manifest.metadata).step
-    name = checkpoint_name(step)
-    _refuse_special_child(run, name)
+    src, manifest, snapshot_id, step, name = _source(source, step, run)
     destination = run.child_url(name)
     status: PersistStatus = "persisted"
     nbytes = 0

@@ -211,9 +211,27 @@ class CheckpointManager:
                 if persist:
                     self._memory.persist_slot(newest[0])
                 return
+        snap = self._capture(step, model, optimizer, config, sampler, loader, defer=True, **kwargs)
+        self._step = step
+        self._memory.snapshot(snap, optimizer, persist=persist)
+
+    def _capture(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: object,
+        sampler: Any,
+        loader: Any,
+        *,
+        defer: bool,
+        buffers: HostBuffers | None = None,
+        **kwargs: Any,
+    ) -> Snapshot:
+        """The training state at ``step`` (the data position from ``loader``/``sampler``, else the manager's)."""
         if sampler is None and loader is None:
             loader = self.loader
-        snap = api.capture(
+        return api.capture(
             step=step,
             model=model,
             optimizer=optimizer,
@@ -223,12 +241,11 @@ class CheckpointManager:
             data_policy=self.data_policy,
             steps_passed=step > (self._step or 0),
             parent=self.last_checkpoint_id,
+            buffers=buffers,
             code=self._code,
-            defer=True,
+            defer=defer,
             **kwargs,
         )
-        self._step = step
-        self._memory.snapshot(snap, optimizer, persist=persist)
 
     def _on_persisted(self, done: Persisted) -> None:
         """Rank 0's persist thread, after a memory snapshot became a durable checkpoint: retention."""
@@ -274,22 +291,9 @@ class CheckpointManager:
             )
             return
         self.wait()
-        if sampler is None and loader is None:
-            loader = self.loader
-        snap = api.capture(
-            step=step,
-            model=model,
-            optimizer=optimizer,
-            sampler=sampler,
-            loader=loader,
-            config=config,
-            data_policy=self.data_policy,
-            steps_passed=step > (self._step or 0),
-            parent=self.last_checkpoint_id,
-            buffers=self._buffers if self.async_save else None,
-            code=self._code,
-            defer=self.async_save,
-            **kwargs,
+        buffers = self._buffers if self.async_save else None
+        snap = self._capture(
+            step, model, optimizer, config, sampler, loader, defer=self.async_save, buffers=buffers, **kwargs
         )
         name = checkpoint_name(step)
         self._step = step
