@@ -47,7 +47,7 @@ from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
 from ..tier.persist import Persisted
 from ..writer import CheckpointWriter
-from . import api, state
+from . import api, sharding, state
 from .api import Policy
 from .memory import MemorySnapshots
 from .restore_report import Candidate, RestoreReport, estimated_state_bytes
@@ -482,7 +482,11 @@ class CheckpointManager:
             )
             self.last_checkpoint_id = restored.checkpoint_id
             self._step = restored.step if restored.step is not None else entry_step
-            _log_topology_change(entry_name, snap.contexts.get("topology", {}), api.topology())
+            now = api.topology()
+            live_mesh, _ = sharding.placements(model)  # the mesh the model is sharded on now, as a save records it
+            if live_mesh:
+                now.setdefault("mesh", live_mesh)
+            _log_topology_change(entry_name, snap.contexts.get("topology", {}), now)
             if self._memory is not None:
                 self._memory.restored(self._step if self._step is not None else -1, candidate.memory)
             self.last_restore = RestoreReport(
