@@ -40,7 +40,8 @@ from .binding import SlotBinding
 
 log = logging.getLogger("ckptfmt")
 
-PIECE_BYTES = 1 << 20  # read, hashed and written while in cache (as executor.SLICE_BYTES)
+READ_BYTES = 8 << 20  # one read request of the slot at a time
+PIECE_BYTES = 1 << 20  # hashed and written while in cache (as executor.SLICE_BYTES)
 PersistStatus = Literal["persisted", "already durable", "conflict"]
 
 
@@ -98,20 +99,23 @@ class Persisted:
 def _copy_file(src: Store, dst: Store, path: str, size: int, digest: str, throttle: Throttle) -> None:
     """Stream one file, checking its size and digest before it is published under its name."""
     hasher = new_hasher(algorithm_of(digest))
-    buffer = bytearray(min(PIECE_BYTES, max(size, 1)))
+    buffer = bytearray(min(READ_BYTES, max(size, 1)))
     out = dst.create(path)
     try:
         position = 0
         while position < size:
             start = time.perf_counter()
             view = memoryview(buffer)[: min(len(buffer), size - position)]
-            src.read_into(path, position, view)
-            hasher.update(view)
-            out.write(view)
+            src.read_into(path, position, view)  # one request (locally: one open) per READ_BYTES
+            for lo in range(0, len(view), PIECE_BYTES):
+                piece = view[lo : lo + PIECE_BYTES]
+                hasher.update(piece)
+                out.write(piece)
             position += len(view)
             throttle.after(time.perf_counter() - start)
-        if src.size(path) != size:
-            raise SizeMismatchError(f"is {src.size(path)} bytes, the manifest says {size}", path=path)
+        actual = src.size(path)
+        if actual != size:
+            raise SizeMismatchError(f"is {actual} bytes, the manifest says {size}", path=path)
         if format_digest(algorithm_of(digest), hasher) != digest:
             raise DigestMismatchError("changed since its snapshot was committed: digest differs", path=path)
         out.commit()
