@@ -118,7 +118,6 @@ class MemorySnapshots:
         self.last_persisted: Persisted | None = None
         self._watcher: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = None
-        self._previous_wakeup = -1
 
     # ---------------------------------------------------------------- set-up
 
@@ -172,9 +171,7 @@ class MemorySnapshots:
                 if slot.status != "committed" or slot.binding is None or slot.checkpoint_id is None:
                     log.warning("memory slot %s ignored: %s", slot.path, slot.reason or slot.status)
                     continue
-                foreign = slot.binding.foreign_to(run_id=self.run_id, node=self.node)
-                if foreign is None and normalize_run_url(slot.binding.run_dir) != normalize_run_url(self.run.url):
-                    foreign = f"written for run directory {slot.binding.run_dir!r}"
+                foreign = self._foreign(slot.binding)
                 if foreign is not None:
                     log.warning(
                         "memory slot %s (step %d) ignored: %s; `ckpt rescue %s %s` persists it",
@@ -219,6 +216,7 @@ class MemorySnapshots:
         """Write ``snap`` (captured with ``defer=True``) into the next slot in the background; persist it
         afterwards when ``persist``. Waits for the previous snapshot first, raising its failure."""
         started = time.perf_counter()
+        self.raise_background_error()  # a failed durable save is raised here, as an async save's is
         self.wait_snapshot()
         if not self._checked_capacity:
             self.check_capacity(state_bytes(snap))
@@ -253,11 +251,16 @@ class MemorySnapshots:
 
     def _own_step(self, slot: Slot) -> int | None:
         """The step of a committed slot of this run and node; None for any other (free to rewrite)."""
-        if slot.status != "committed" or slot.binding is None:
-            return None
-        if slot.binding.foreign_to(run_id=self.run_id, node=self.node) is not None:
+        if slot.status != "committed" or slot.binding is None or self._foreign(slot.binding) is not None:
             return None
         return slot.binding.step
+
+    def _foreign(self, binding: SlotBinding) -> str | None:
+        """Why a slot bound so is not this run's, node's and run directory's (MEM-4), or None when it is."""
+        why = binding.foreign_to(run_id=self.run_id, node=self.node)
+        if why is None and normalize_run_url(binding.run_dir) != normalize_run_url(self.run.url):
+            why = f"written for run directory {binding.run_dir!r}"
+        return why
 
     def _choose_slot(self) -> int:
         chosen: bytes | None = None
@@ -391,9 +394,10 @@ class MemorySnapshots:
     def raise_background_error(self) -> None:
         if self._inflight is not None and self._inflight.done():
             self.wait_snapshot()
-        for future in self._persists:
-            if future.done() and future.exception() is not None:
-                self.wait()
+        if any(f.done() and f.exception() is not None for f in self._persists):
+            self.wait()
+        # persists that went well need no more looking at (a long run makes thousands of them)
+        self._persists = [f for f in self._persists if not f.done()]
 
     def persist_newest(self) -> Persisted | None:
         """Persist the newest committed snapshot now, unthrottled, on the calling thread (SIGTERM); None when
