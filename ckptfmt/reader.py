@@ -12,6 +12,7 @@ import mmap as mmap_module
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 from . import chunks as geometry
 from . import dtypes
 from .arrays import byte_view
-from .codecs import get_codec
+from .codecs import ChunkCodec, FrameSpan, get_codec
 from .context import decode
 from .digests import algorithm_of, digest_of
 from .errors import (
@@ -54,12 +55,18 @@ from .storage import Store, open_store
 from .verify import VerifyReport, verify_checkpoint
 
 
-def _encoded_read(
-    field: str, name: str, item: ReadItem, target: memoryview, itemsize: int, *, plan_only: bool = False
-) -> ChunkRead:
-    """A read of only the frames of an encoded chunk that ``item`` touches, decoded into ``target`` (the
-    chunk's raw bytes) on the fetching thread. An unknown codec refuses this tensor only (TEN-14).
-    ``plan_only``: check the chunk's frame index (the codec's refusals) and stop; ``target`` is not used."""
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A chunk a region needs, and for an encoded chunk its codec and the frames the region touches."""
+
+    item: ReadItem
+    codec: ChunkCodec | None = None
+    span: FrameSpan | None = None
+
+
+def _plan_encoded(field: str, name: str, item: ReadItem, itemsize: int) -> Planned:
+    """The frames of an encoded chunk that ``item`` touches, its frame index checked (the codec's refusals,
+    a decompression bomb among them). An unknown codec refuses this tensor only (TEN-14)."""
     chunk = item.chunk
     where = {"path": chunk.path, "field": field, "tensor": name}
     codec = get_codec(chunk.codec.name, **where)
@@ -68,11 +75,9 @@ def _encoded_read(
     last = [s.stop - 1 for s in item.source]
     raw_begin = int(np.ravel_multi_index(first, chunk.shape)) * itemsize
     raw_end = (int(np.ravel_multi_index(last, chunk.shape)) + 1) * itemsize
-    raw_size = len(target)
-    if plan_only:
-        raw_size = itemsize
-        for d in chunk.shape:
-            raw_size *= d
+    raw_size = itemsize
+    for d in chunk.shape:
+        raw_size *= d
     try:
         span = codec.plan_frames(
             chunk.codec, stored_size=chunk.nbytes, raw_size=raw_size, raw_begin=raw_begin, raw_end=raw_end
@@ -80,6 +85,14 @@ def _encoded_read(
     except CheckpointError as exc:
         exc.locate(**where)
         raise
+    return Planned(item, codec, span)
+
+
+def _encoded_read(field: str, name: str, planned: Planned, target: memoryview, itemsize: int) -> ChunkRead:
+    """A read of only the planned frames of an encoded chunk, decoded into ``target`` (the chunk's raw bytes)
+    on the fetching thread."""
+    chunk, codec, span = planned.item.chunk, planned.codec, planned.span
+    assert codec is not None and span is not None
 
     def decode(stored: memoryview) -> None:
         codec.decode_into(chunk.codec, stored, span, target[span.raw_begin : span.raw_end], itemsize=itemsize)
@@ -94,15 +107,14 @@ def _encoded_read(
     )
 
 
-def _checked_plan(field: str, name: str, record: TensorRecord, region: geometry.Box, itemsize: int) -> list[ReadItem]:
-    """The chunks a region needs, with every encoded chunk's frame index checked before anything is allocated:
-    a chunk claiming more raw bytes than its codec can make of its stored ones (a decompression bomb) is
-    refused here, not allocated for."""
-    items = plan_region(record, region[0], region[1])
-    for item in items:
-        if item.chunk.codec.name != RAW:
-            _encoded_read(field, name, item, memoryview(b""), itemsize, plan_only=True)
-    return items
+def _checked_plan(field: str, name: str, record: TensorRecord, region: geometry.Box, itemsize: int) -> list[Planned]:
+    """The chunks a region needs, every encoded chunk's frame index planned and checked before anything is
+    allocated: a chunk claiming more raw bytes than its codec can make of its stored ones (a decompression
+    bomb) is refused here, not allocated for."""
+    return [
+        _plan_encoded(field, name, item, itemsize) if item.chunk.codec.name != RAW else Planned(item)
+        for item in plan_region(record, region[0], region[1])
+    ]
 
 
 def read_manifest_bytes(store: Store) -> bytes:
@@ -256,22 +268,23 @@ class Checkpoint:
         record: TensorRecord,
         region: geometry.Box,
         out: np.ndarray[Any, Any],
-        items: Sequence[ReadItem],
+        items: Sequence[Planned],
     ) -> tuple[list[ChunkRead], list[tuple[np.ndarray[Any, Any], ReadItem]]]:
         """The chunk reads that fill ``out`` with ``region``: straight into it where a chunk is exactly the
         region, else into a chunk-sized buffer that is copied from after the read."""
         reads: list[ChunkRead] = []
         copies: list[tuple[np.ndarray[Any, Any], ReadItem]] = []
-        for item in items:
+        for planned in items:
+            item = planned.item
             if item.direct:
                 target = out
             else:
                 target = np.empty(item.chunk.shape, dtype=out.dtype)
                 copies.append((target, item))
-            if item.chunk.codec.name == RAW:
+            if planned.span is None:
                 reads.append(ChunkRead(chunk=item.chunk, out=byte_view(target), field=field, tensor=name))
             else:
-                reads.append(_encoded_read(field, name, item, byte_view(target), out.dtype.itemsize))
+                reads.append(_encoded_read(field, name, planned, byte_view(target), out.dtype.itemsize))
         return reads, copies
 
     def _fetch(self, reads: list[ChunkRead], *, verify: bool, workers: int) -> None:
