@@ -399,7 +399,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         mgr.save(step, **trainer.state(), config=cfg)  # the final state, so runs can be diffed
     mgr.close()
     say(f"done at step {step}; latest checkpoint {mgr.last_checkpoint_id}")
+    shut_down()
     return 0
+
+
+def shut_down() -> None:
+    """Leave the process group before the interpreter exits: every rank past a barrier, then the group
+    destroyed. A gloo group still alive at exit can abort in its threads' destructors ("terminate called
+    without an active exception", SIGABRT) after all the work is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
