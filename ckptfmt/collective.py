@@ -12,6 +12,7 @@ a rank is gone: every rank then fails the save with an error instead of hanging.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from typing import Protocol, runtime_checkable
 
@@ -36,6 +37,21 @@ class Collective(Protocol):
     def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
         """Every rank passes bytes; ``dst`` returns them in rank order, the others None."""
         ...
+
+
+@runtime_checkable
+class PeerChannel(Protocol):
+    """Point-to-point messages between two ranks of a group: only the two call, with the same ``tag``.
+
+    Messages between one pair with one tag arrive in the order they were sent. Like the collectives, a peer
+    that is gone or does not answer MUST fail the call (a :class:`~ckptfmt.errors.CollectiveError`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def send(self, data: bytes, *, dst: int, tag: int) -> None: ...
+
+    def recv(self, *, src: int, tag: int) -> bytes: ...
 
 
 def encode_status(error: CheckpointError | None, **ok: object) -> bytes:
@@ -89,6 +105,17 @@ class ThreadCollective:
         slots = self._shared.exchange(self._rank, data)
         return [s if s is not None else b"" for s in slots] if self._rank == dst else None
 
+    def send(self, data: bytes, *, dst: int, tag: int) -> None:
+        self._shared.mailbox(self._rank, dst, tag).put(bytes(data))
+
+    def recv(self, *, src: int, tag: int) -> bytes:
+        try:
+            return self._shared.mailbox(src, self._rank, tag).get(timeout=self._shared.timeout)
+        except queue.Empty:
+            raise CollectiveError(
+                f"rank {self._rank}: nothing from rank {src} (tag {tag}) within {self._shared.timeout:g} s"
+            ) from None
+
     def abandon(self) -> None:
         """Simulate this rank dying: every rank waiting in a collective fails instead of hanging."""
         self._shared.barrier.abort()
@@ -100,6 +127,12 @@ class _Shared:
         self.timeout = timeout
         self.barrier = threading.Barrier(world_size)
         self.slots: list[bytes | None] = [None] * world_size
+        self._mailboxes: dict[tuple[int, int, int], queue.Queue[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def mailbox(self, src: int, dst: int, tag: int) -> queue.Queue[bytes]:
+        with self._lock:
+            return self._mailboxes.setdefault((src, dst, tag), queue.Queue())
 
     def exchange(self, rank: int, data: bytes | None) -> list[bytes | None]:
         try:

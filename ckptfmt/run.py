@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest.json"
 PINS_NAME = "pins.json"
+RESTORE_NAME = "last-restore.json"  # the newest restore's report (what each tier held, moved, cost)
 MAX_POINTER_BYTES = 1 << 20  # latest.json and pins.json: a name, a step, an id; a list of names
 _STEP = re.compile(r"(\d+)$")
 Status = Literal["committed", "incomplete", "writing", "invalid manifest"]
@@ -274,6 +275,18 @@ class RunDirectory:
         if not problems:
             return None
         return "; ".join(problems) + " — committed checkpoints are kept until it is repaired"
+
+    def record_restore(self, report: Mapping[str, object]) -> None:
+        """Write the report of the restore just made (``last-restore.json``): a record, never read to restore."""
+        self._replace(RESTORE_NAME, report)
+
+    def last_restore(self) -> dict[str, Any] | None:
+        """The newest restore's report, or None when there is none or it cannot be read."""
+        try:
+            value = self._read_pointer(RESTORE_NAME)
+        except CheckpointError:
+            return None
+        return value if isinstance(value, dict) else None
 
     def set_pinned(self, names: Iterable[str]) -> None:
         self._replace(PINS_NAME, {"pinned": sorted(set(names))})

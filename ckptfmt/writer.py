@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
@@ -49,7 +49,7 @@ from .errors import (
 )
 from .executor import WriteExecutor
 from .fields import check_standard_field
-from .manifest import RAW
+from .manifest import RAW, FileRecord, parse_manifest
 from .paths import check_field_name
 from .plan import FilePlan, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES
@@ -112,6 +112,7 @@ class CheckpointWriter:
         metadata: Mapping[str, str] | None = None,
         collective: Collective | None = None,
         codec: str | WriteCodec | None = None,
+        store_of_rank: Sequence[int] | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -128,6 +129,11 @@ class CheckpointWriter:
         self.rank = rank
         self.metadata = dict(metadata or {})
         self.collective = collective
+        # Ranks whose stores are not shared (a memory slot on each node, spec/commit.md "Several stores"): the
+        # store each rank writes to, by rank; None: one store every rank sees.
+        self.store_of_rank = tuple(store_of_rank) if store_of_rank is not None and collective is not None else None
+        if self.store_of_rank is not None and len(self.store_of_rank) != collective.world_size:  # type: ignore[union-attr]
+            raise UsageError("store_of_rank needs one entry per rank")
         self.checkpoint_id: str | None = None
         # codec: None or "raw" stores raw chunks; "zstd" or "zstd:LEVEL" compresses floating chunks (spec/codecs.md)
         self._planner = RankPlanner(rank=rank, target_file_size=target_file_size, codec=codec)
@@ -148,10 +154,20 @@ class CheckpointWriter:
     def is_coordinator(self) -> bool:
         return self.collective is None or self.collective.rank == COORDINATOR
 
+    @property
+    def is_store_leader(self) -> bool:
+        """Whether this rank commits its store: the coordinator, or with several stores the lowest rank of each."""
+        if self.store_of_rank is None:
+            return self.is_coordinator
+        return self.store_of_rank.index(self.store_of_rank[self.rank]) == self.rank
+
     def _start(self, overwrite: bool) -> None:
         """Step 1 of the commit protocol on the coordinator; the other ranks learn its outcome."""
         if self.collective is None:
             self._committer = Committer(self.store, overwrite=overwrite)
+            return
+        if self.store_of_rank is not None:
+            self._start_spread(overwrite)
             return
         error: CheckpointError | None = None
         if self.is_coordinator:
@@ -171,6 +187,23 @@ class CheckpointWriter:
         if error is not None:
             raise error
         decode_status(status)
+
+    def _start_spread(self, overwrite: bool) -> None:
+        """Step 1 on the leader of every store; the first failure, as the coordinator saw it, fails all ranks."""
+        assert self.collective is not None
+        error: CheckpointError | None = None
+        if self.is_store_leader:
+            try:
+                self._committer = Committer(self.store, overwrite=overwrite)
+            except CheckpointError as exc:
+                error = exc
+        try:
+            decode_status(self._exchange(encode_status(error), _first_status))
+        except BaseException:
+            if self._committer is not None:
+                self._committer.abort([])
+                self._committer = None
+            raise
 
     # ------------------------------------------------------------ public API
 
@@ -292,6 +325,8 @@ class CheckpointWriter:
             except BaseException:
                 self.abort()
                 raise
+        elif self.store_of_rank is not None:
+            self.checkpoint_id = self._commit_spread(mine)
         else:
             self.checkpoint_id = self._commit_collective(mine)
         self._closed = True
@@ -342,6 +377,10 @@ class CheckpointWriter:
 
     def _clean_up(self, paths: list[str]) -> None:
         """Delete ``paths`` (and, on the coordinator, the lock); stop at the first storage failure."""
+        if self.store_of_rank is not None:
+            # Several stores: nothing is committed before every rank's records merged, so each rank deletes
+            # its own files, and each store's leader its lock.
+            paths = list(self._executor.written)
         if self._committer is not None:
             self._committer.abort(paths)
             return
@@ -351,17 +390,19 @@ class CheckpointWriter:
         except CheckpointError:
             pass  # unreachable storage: what is left is an incomplete checkpoint that gc removes
 
-    def _exchange(self, mine: bytes) -> bytes:
-        """Gather every rank's result on the coordinator, which commits; broadcast its outcome."""
+    def _exchange(self, mine: bytes, decide: Callable[[list[bytes]], bytes] | None = None) -> bytes:
+        """Gather every rank's status on the coordinator, which decides (by default: commits); broadcast its outcome."""
         assert self.collective is not None
         gathered = self.collective.gather(mine, dst=COORDINATOR)
         outcome: bytes | None = None
         if gathered is not None:
-            outcome = self._coordinate(gathered)
+            outcome = (decide or self._coordinate)(gathered)
         return self.collective.broadcast(outcome, src=COORDINATOR)
 
     def _coordinate(self, gathered: list[bytes]) -> bytes:
         """On the coordinator: commit if every rank succeeded, else clean up every rank's files."""
+        if self.store_of_rank is not None:
+            return self._merge_spread(gathered)
         assert self._committer is not None
         results: list[RankResult] = []
         error: CheckpointError | None = None
@@ -383,6 +424,51 @@ class CheckpointWriter:
                 error = CollectiveError(f"the coordinator failed to commit: {exc!r}")
         self._clean_up([f.path for r in results for f in r.files])
         return encode_status(error)
+
+    def _merge_spread(self, gathered: list[bytes]) -> bytes:
+        """Several stores, on the coordinator: the manifest every store's leader commits, and each rank's files
+        (so that a leader checks its own store's: COM-21 applies per store). Nothing is committed here."""
+        try:
+            results = [_rank_result(rank, data) for rank, data in enumerate(gathered)]
+            manifest = merge_results(results, profile=self.profile, metadata=self.metadata)
+            files = {str(r.rank): [f.to_dict() for f in r.files] for r in results}
+            return encode_status(None, manifest=manifest.to_bytes().decode("utf-8"), files=files)
+        except CheckpointError as exc:
+            return encode_status(exc)
+        except Exception as exc:  # every rank waits for an answer: whatever fails here, they get one
+            return encode_status(CollectiveError(f"the coordinator failed to merge: {exc!r}"))
+
+    def _commit_spread(self, mine: RankResult) -> str:
+        """Several stores: merge on the coordinator, then every store's leader commits the same manifest in its
+        own store once its ranks' files are visible there; the checkpoint id is the same in every store."""
+        assert self.collective is not None and self.store_of_rank is not None
+        try:
+            merged = decode_status(self._exchange(encode_status(None, result=mine.to_bytes().decode("utf-8"))))
+        except BaseException:
+            self._closed = True
+            self._executor.shutdown()
+            self._clean_up([])  # nothing was committed anywhere: each rank's own files, each leader's lock
+            raise
+        error: CheckpointError | None = None
+        committed: str | None = None
+        if self._committer is not None:
+            try:
+                manifest = parse_manifest(str(merged["manifest"]).encode("utf-8"))
+                mine_store = self.store_of_rank[self.rank]
+                ranks = [r for r, s in enumerate(self.store_of_rank) if s == mine_store]
+                local = [_files_of(r, merged["files"]) for r in ranks]
+                _check_visible(self.store, local, leader=self.rank)
+                committed = self._committer.commit(manifest, [f.path for r in local for f in r.files])
+            except CheckpointError as exc:
+                error = exc
+                self._committer.abort([])  # the lock only: the data files stay for gc or the next rewrite
+        self._closed = True
+        self._executor.shutdown()
+        status = decode_status(self._exchange(encode_status(error, checkpoint_id=committed), _first_status))
+        ids = {str(status.get("checkpoint_id"))} | ({committed} if committed else set())
+        if len(ids) != 1:
+            raise CollectiveError(f"the stores committed different manifests: {sorted(ids)}")
+        return ids.pop()
 
     def _commit_collective(self, mine: RankResult) -> str:
         try:
@@ -418,7 +504,33 @@ def _rank_result(rank: int, data: bytes) -> RankResult:
     return result
 
 
-def _check_visible(store: Store, results: list[RankResult]) -> None:
+def _first_status(gathered: list[bytes]) -> bytes:
+    """The first failure among every rank's statuses, else the first success (the coordinator's decision)."""
+    for rank, data in enumerate(gathered):
+        try:
+            decode_status(data)
+        except CheckpointError as exc:
+            return encode_status(exc.locate(path=f"rank {rank}"))
+    for data in gathered:
+        status = decode_status(data)
+        if status.get("checkpoint_id"):
+            return data
+    return gathered[0]
+
+
+def _files_of(rank: int, files: object) -> RankResult:
+    """A rank's file records from the coordinator's merged status."""
+    if not isinstance(files, dict) or not isinstance(files.get(str(rank)), list):
+        raise CollectiveError(f"the coordinator sent no file list for rank {rank}")
+    return RankResult(
+        rank=rank,
+        files=tuple(
+            FileRecord(path=str(f["path"]), size=int(f["size"]), digest=str(f["digest"])) for f in files[str(rank)]
+        ),
+    )
+
+
+def _check_visible(store: Store, results: list[RankResult], *, leader: int = COORDINATOR) -> None:
     """Every file a rank reported is there, at its size, for the coordinator (spec/commit.md COM-21).
 
     Ranks whose storage is not shared (a per-node local directory) each write successfully, and a manifest
@@ -442,7 +554,7 @@ def _check_visible(store: Store, results: list[RankResult]) -> None:
                     path=record.path,
                     requirement="COM-21",
                 )
-            if result.rank != COORDINATOR and size <= RECHECK_BYTES:
+            if result.rank != leader and size <= RECHECK_BYTES:
                 # Small files (context blobs, small data files) cost a read each: their digests are checked too.
                 # Larger data files' digests are the ranks' word; re-reading them would double a save's I/O.
                 got = digest_of(algorithm_of(record.digest), store.read(record.path, max_size=RECHECK_BYTES))

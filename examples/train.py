@@ -326,6 +326,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-every", type=int, default=0, help="a memory snapshot every this many steps (0: off)")
     p.add_argument("--memory-dir", help="the memory tier's directory (default $CKPTFMT_MEMORY_DIR or /dev/shm/ckptfmt)")
     p.add_argument("--kill-at-step", type=int, metavar="N", help="SIGKILL self once step N's memory snapshot is in")
+    p.add_argument("--replicate", action="store_true", help="copy each memory snapshot to a rank on another node")
+    p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds before a silent peer fails a copy")
+    p.add_argument(
+        "--node-of-rank",
+        metavar="A,A,B,B",
+        help="play several nodes on one host: rank R's node key ($CKPTFMT_NODE_KEY) and memory directory "
+        "(<memory-dir>/<key>) are the R-th name",
+    )
+    p.add_argument(
+        "--lose-node-at-step",
+        type=int,
+        metavar="N",
+        help="once step N's snapshot and replica are in, every rank dies (SIGKILL): the test then deletes a node",
+    )
+    p.add_argument("--stop-at-step", type=int, metavar="N", help="end after step N (saved) as if the run were done")
+    p.add_argument(
+        "--replica-sync", action="store_true", help="wait for each replica before the next step (pins a test's steps)"
+    )
     return p.parse_args(argv)
 
 
@@ -342,12 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     seen = SampleLog(f"{args.samples_out}.rank{rank}.json" if args.samples_out else None)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kill_here = args.kill_rank in (None, rank) and attempt == 0
+    memory_dir = args.memory_dir
+    if args.node_of_rank:
+        node = args.node_of_rank.split(",")[rank]
+        os.environ["CKPTFMT_NODE_KEY"] = node
+        memory_dir = os.path.join(memory_dir or "/dev/shm/ckptfmt", node)
     mgr = CheckpointManager(
         args.run_dir,
         keep_last=args.keep_last,
         async_save=args.async_save,
         memory_every=args.memory_every,
-        memory_dir=args.memory_dir,
+        memory_dir=memory_dir,
+        replicate=args.replicate,
+        peer_timeout=args.peer_timeout,
     )
     skip = (args.withhold,) if args.withhold else ()
     if warm is not None:
@@ -367,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved_at = step
     first_step = True
     switch_step, switch_threads = (int(v) for v in args.threads_at.split(":")) if args.threads_at else (-1, 0)
-    while step < cfg.steps:
+    end = min(cfg.steps, args.stop_at_step) if args.stop_at_step else cfg.steps
+    while step < end:
         if step == switch_step:
             torch.set_num_threads(switch_threads)
         batch = next(batches)
@@ -391,6 +417,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mgr.wait()  # durable first: the point is to be killed *after* a checkpoint
                 print(f"rank {rank}: checkpoint at step {step} is durable; SIGKILL at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+        if args.replica_sync:
+            mgr.wait_replica()
+        if step == args.lose_node_at_step and attempt == 0:
+            replica = mgr.wait_replica()  # this step's snapshot in every slot, and its copies on the other node
+            copied = replica.step if replica is not None else None
+            print(f"rank {rank}: replica of step {copied} is in; node lost at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == args.kill_at_step and kill_here:
             mgr.wait_memory()  # this step's snapshot is in its slot; the durable one may be far behind
             print(f"rank {rank}: memory snapshot of step {step} is in; SIGKILL at {time.time():.3f}", flush=True)

@@ -9,6 +9,7 @@ and node are this process's own (spec/memory.md MEM-5). The binding is written i
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 from collections.abc import Mapping
@@ -63,15 +64,19 @@ class SlotBinding:
     node: str
     world_size: int
     step: int
+    nodes: tuple[str, ...] = ()  # several nodes: the node of each saving rank, by rank (MEM-9)
 
     def to_metadata(self) -> dict[str, str]:
-        return {
+        out = {
             f"{PREFIX}run_id": self.run_id,
             f"{PREFIX}run_dir": self.run_dir,
             f"{PREFIX}node": self.node,
             f"{PREFIX}world_size": str(self.world_size),
             f"{PREFIX}step": str(self.step),
         }
+        if self.nodes:
+            out[f"{PREFIX}nodes"] = json.dumps(list(self.nodes), separators=(",", ":"))
+        return out
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str]) -> SlotBinding:
@@ -94,12 +99,28 @@ class SlotBinding:
             node=values["node"],
             world_size=numbers["world_size"],
             step=numbers["step"],
+            nodes=_nodes(metadata.get(PREFIX + "nodes"), numbers["world_size"]),
         )
 
-    def foreign_to(self, *, run_id: str, node: str) -> str | None:
-        """Why this slot is not the given run's and node's to restore from, or None when it is."""
+    def foreign_to(self, *, run_id: str, node: str | None) -> str | None:
+        """Why this slot is not the given run's (and, unless ``node`` is None, node's) to restore from, or None."""
         if self.run_id != run_id:
             return f"written by run {self.run_id!r}, this is run {run_id!r}"
-        if self.node != node:
+        if node is not None and node != self.node and node not in self.nodes:
             return f"written on node {self.node!r}, this is node {node!r}"
         return None
+
+
+def _nodes(text: str | None, world_size: int) -> tuple[str, ...]:
+    """``ckptfmt.memory.nodes``: absent (one node), or a JSON array of one non-empty string per saving rank."""
+    if text is None:
+        return ()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or len(value) != world_size or not all(isinstance(v, str) and v for v in value):
+        raise ManifestError(
+            f"metadata {PREFIX + 'nodes'!r} is not a JSON array of {world_size} node keys", requirement="MEM-9"
+        )
+    return tuple(value)

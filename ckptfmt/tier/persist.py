@@ -18,15 +18,18 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ..collective import Collective, decode_status, encode_status
 from ..commit import Committer
 from ..digests import algorithm_of, format_digest, new_hasher
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     DigestMismatchError,
+    MissingFileError,
     SizeMismatchError,
     UnsafePathError,
     UsageError,
@@ -268,5 +271,101 @@ def _persist_encoded(
         checkpoint_id=ckpt_id,
         status=status,
         bytes=nbytes,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def persist_spread(
+    source: str | os.PathLike[str],
+    run: RunDirectory,
+    *,
+    collective: Collective,
+    files: Sequence[str],
+    throttle: Throttle | None = None,
+) -> Persisted:
+    """Persist a snapshot whose files are spread over several nodes' slots (a collective call of every rank).
+
+    Each rank copies the files it wrote from its node's slot at ``source`` (each file's size and digest checked,
+    as :func:`persist` does); the coordinator, which holds the destination's lock meanwhile, checks that every file
+    the manifest lists arrived at its size and writes the snapshot's manifest last. The checkpoint id is the
+    snapshot's. Every rank returns the same outcome or raises the same error.
+    """
+    throttle = throttle or Throttle()
+    started = time.perf_counter()
+    src, manifest, ckpt_id, step, name = _source(source, None, run)
+    dst = open_store(run.child_url(name), run.storage_options)
+    committer: Committer | None = None
+    status: PersistStatus | None = None
+    error: CheckpointError | None = None
+    if collective.rank == 0:
+        try:
+            existing = _existing_id(dst)
+            if existing is None:
+                committer = Committer(dst)
+            else:
+                status = "already durable" if existing == ckpt_id else "conflict"
+        except CheckpointExistsError:
+            existing = _existing_id(dst)
+            status = "already durable" if existing == ckpt_id else "conflict"
+        except CheckpointError as exc:
+            error = exc
+    verdict = decode_status(
+        collective.broadcast(encode_status(error, status=status) if collective.rank == 0 else None, src=0)
+    )
+    outcome = verdict.get("status")
+    if outcome == "already durable" or outcome == "conflict":
+        return Persisted(
+            source=src.url,
+            destination=dst.url,
+            name=name,
+            step=step,
+            checkpoint_id=ckpt_id,
+            status=outcome,
+            seconds=time.perf_counter() - started,
+        )
+    records = {f.path: f for f in manifest.files}
+    written: list[str] = []
+    mine: CheckpointError | None = None
+    try:
+        for path in files:
+            record = records[path]
+            _copy_file(src, dst, path, record.size, record.digest, throttle)
+            written.append(path)
+    except CheckpointError as exc:
+        mine = exc
+    gathered = collective.gather(encode_status(mine, written=written), dst=0)
+    result: bytes | None = None
+    if gathered is not None:
+        assert committer is not None
+        every: list[str] = []
+        failure: CheckpointError | None = None
+        for rank, data in enumerate(gathered):
+            try:
+                reported = decode_status(data).get("written")
+                every += [str(p) for p in reported] if isinstance(reported, list) else []
+            except CheckpointError as exc:
+                failure = failure or exc.locate(path=f"rank {rank}")
+        try:
+            if failure is None:
+                present = dst.list()
+                lacking = [f.path for f in manifest.files if present.get(f.path) != f.size]
+                if lacking:
+                    raise MissingFileError(f"{len(lacking)} file(s) of the snapshot were not copied", path=lacking[0])
+                committer.commit(manifest, every)
+                _advance_latest(run, name, step, ckpt_id)
+        except CheckpointError as exc:
+            failure = exc
+        if failure is not None:
+            committer.abort(every)
+        result = encode_status(failure)
+    decode_status(collective.broadcast(result, src=0))
+    return Persisted(
+        source=src.url,
+        destination=dst.url,
+        name=name,
+        step=step,
+        checkpoint_id=ckpt_id,
+        status="persisted",
+        bytes=sum(f.size for f in manifest.files),
         seconds=time.perf_counter() - started,
     )

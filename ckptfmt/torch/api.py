@@ -40,7 +40,9 @@ class Restored:
 DEDICATED_TIMEOUT = timedelta(minutes=5)
 
 
-def _collective(process_group: Any = None, *, dedicated: bool = False) -> Any:
+def _collective(
+    process_group: Any = None, *, dedicated: bool = False, timeout: timedelta | None = None, purpose: str = ""
+) -> Any:
     """A :class:`~ckptfmt.torch.collective.TorchCollective` when several ranks save together, else None.
 
     ``dedicated``: over a gloo group of its own (made here, collectively), for exchanges from a background
@@ -49,7 +51,9 @@ def _collective(process_group: Any = None, *, dedicated: bool = False) -> Any:
     """
     from .collective import default_collective
 
-    return default_collective(process_group, timeout=DEDICATED_TIMEOUT if dedicated else None)
+    if not dedicated:
+        return default_collective(process_group)
+    return default_collective(process_group, timeout=timeout or DEDICATED_TIMEOUT, purpose=purpose)
 
 
 def data_source(*, sampler: Any = None, loader: Any = None) -> Any:

@@ -16,14 +16,15 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 
-_CPU_GROUPS: dict[tuple[int, float | None], Any] = {}
+_CPU_GROUPS: dict[tuple[int, float | None, str], Any] = {}
 
 
-def _cpu_group(group: Any, timeout: timedelta | None) -> Any:
-    """A gloo group over the same ranks as ``group`` (itself when it is gloo and no timeout is asked)."""
-    if dist.get_backend(group) == "gloo" and timeout is None:
+def _cpu_group(group: Any, timeout: timedelta | None, purpose: str = "") -> Any:
+    """A gloo group over the same ranks as ``group`` (itself when it is gloo and neither a timeout nor a
+    purpose is asked); one per ``purpose``, so that two background threads never share a group."""
+    if dist.get_backend(group) == "gloo" and timeout is None and not purpose:
         return group
-    key = (id(group), timeout.total_seconds() if timeout is not None else None)
+    key = (id(group), timeout.total_seconds() if timeout is not None else None, purpose)
     if key not in _CPU_GROUPS:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
@@ -33,11 +34,11 @@ def _cpu_group(group: Any, timeout: timedelta | None) -> Any:
 class TorchCollective:
     """Every rank of ``process_group`` (the default group if None) constructs one, together."""
 
-    def __init__(self, process_group: Any = None, *, timeout: timedelta | None = None) -> None:
+    def __init__(self, process_group: Any = None, *, timeout: timedelta | None = None, purpose: str = "") -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise CollectiveError("torch.distributed is not initialized")
         self._user_group = process_group
-        self._group = _cpu_group(process_group, timeout)
+        self._group = _cpu_group(process_group, timeout, purpose)
         self._rank = dist.get_rank(process_group)
         self._world_size = dist.get_world_size(process_group)
 
@@ -96,11 +97,37 @@ class TorchCollective:
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"rank {self._rank}: gather to rank {dst} failed: {exc}") from exc
 
+    def send(self, data: bytes, *, dst: int, tag: int) -> None:
+        """Length, then payload, to ``dst`` (a :class:`~ckptfmt.collective.PeerChannel`)."""
+        try:
+            dist.send(torch.tensor([len(data)], dtype=torch.int64), self._global(dst), group=self._group, tag=tag)
+            if data:
+                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                dist.send(payload, self._global(dst), group=self._group, tag=tag)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"rank {self._rank}: send to rank {dst} failed: {exc}") from exc
 
-def default_collective(process_group: Any = None, *, timeout: timedelta | None = None) -> TorchCollective | None:
+    def recv(self, *, src: int, tag: int) -> bytes:
+        try:
+            length = torch.zeros(1, dtype=torch.int64)
+            dist.recv(length, self._global(src), group=self._group, tag=tag)
+            size = int(length.item())
+            if size < 0:
+                raise CollectiveError(f"rank {self._rank}: rank {src} announced a message of {size} bytes")
+            buffer = torch.empty(size, dtype=torch.uint8)
+            if size:
+                dist.recv(buffer, self._global(src), group=self._group, tag=tag)
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"rank {self._rank}: receive from rank {src} failed: {exc}") from exc
+        return buffer.numpy().tobytes()
+
+
+def default_collective(
+    process_group: Any = None, *, timeout: timedelta | None = None, purpose: str = ""
+) -> TorchCollective | None:
     """The collective of ``process_group`` when torch.distributed runs with more than one rank, else None."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_world_size(process_group) <= 1:
         return None
-    return TorchCollective(process_group, timeout=timeout)
+    return TorchCollective(process_group, timeout=timeout, purpose=purpose)

@@ -34,18 +34,22 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
 import torch
 
 from .. import provenance as prov
-from ..collective import Collective
-from ..errors import UsageError
-from ..reader import open_checkpoint
+from ..collective import Collective, PeerChannel
+from ..errors import CheckpointError, UsageError
+from ..manifest import parse_manifest
+from ..reader import Checkpoint, open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
+from ..tier.agreed import AgreedRestore, Fetched
 from ..tier.persist import Persisted
+from ..tier.replica import RoundResult
 from ..writer import CheckpointWriter
 from . import api, sharding, state
 from .api import Policy
@@ -77,6 +81,8 @@ class CheckpointManager:
         memory_dir: str | os.PathLike[str] | None = None,
         memory_slots: int = 2,
         persist_duty: float = 0.5,
+        replicate: bool = False,
+        peer_timeout: float = api.DEDICATED_TIMEOUT.total_seconds(),
     ) -> None:
         if memory_every < 0:
             raise UsageError("memory_every must be 0 (off) or a number of steps")
@@ -108,11 +114,21 @@ class CheckpointManager:
         self._preempted = threading.Event()
         self.memory_every = memory_every
         self.last_restore: RestoreReport | None = None
+        self._agreed: AgreedRestore | None = None  # the restore across nodes in progress
+        self._agree_seconds = 0.0
         self._memory: MemorySnapshots | None = None
         if memory_every:
             # its own process group: snapshots commit from a background thread, while the trainer's thread
             # runs the model's collectives on the default group
-            dedicated = collective if collective is not None else api._collective(process_group, dedicated=True)
+            timeout = timedelta(seconds=peer_timeout)
+            dedicated = (
+                collective
+                if collective is not None
+                else api._collective(process_group, dedicated=True, timeout=timeout)
+            )
+            channel = collective if isinstance(collective, PeerChannel) else None
+            if replicate and collective is None:  # its own group again: replica rounds run beside snapshots
+                channel = api._collective(process_group, dedicated=True, timeout=timeout, purpose="replica")
             self._memory = MemorySnapshots(
                 self.run,
                 memory_dir=memory_dir,
@@ -121,6 +137,8 @@ class CheckpointManager:
                 persist_duty=persist_duty,
                 codec=codec,
                 on_persisted=self._on_persisted,
+                replicate=replicate,
+                channel=channel,
             )
         self._previous_handlers: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -251,6 +269,14 @@ class CheckpointManager:
         """Rank 0's persist thread, after a memory snapshot became a durable checkpoint: retention."""
         if done.status == "persisted":
             self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect={done.name})
+
+    def wait_replica(self) -> RoundResult | None:
+        """Block until the memory snapshot in flight is committed and this rank's part of its replica round is
+        done (sent to its partner, received from its sources); the round's result, None without replicas."""
+        if self._memory is None:
+            return None
+        self._memory.wait_replica()
+        return self._memory.replicator.last if self._memory.replicator is not None else None
 
     def wait_memory(self) -> None:
         """Block until the memory snapshot in flight is committed in its slot (not persisted)."""
@@ -429,8 +455,24 @@ class CheckpointManager:
             # or to none, would silently train something else. With several ranks, a checkpoint that one rank
             # cannot read is skipped by all: the job never splits over two checkpoints.
             snap: Snapshot | None = None
+            fetched: Fetched | None = None
+            if candidate.option is not None:  # spread over nodes: gather what this node lacks (all ranks, together)
+                assert self._agreed is not None
+                try:
+                    manifest = parse_manifest(candidate.option.manifest_bytes)
+                    needed = state.files_needed(manifest, state.load_targets(model))
+                    fetched = self._agreed.fetch(candidate.option, needed)
+                except CheckpointError as exc:  # the same error on every rank: all pass over it together
+                    log.warning("skipping %s: its files could not be gathered: %s", entry_name, exc)
+                    skipped.append(f"{entry_name}: {type(exc).__name__}: {exc}")
+                    continue
+            read_started = time.perf_counter()
             try:
-                with open_checkpoint(url, self.run.storage_options) as ckpt:
+                with (
+                    Checkpoint(fetched.store, manifest, candidate.option.manifest_bytes)
+                    if fetched is not None and candidate.option is not None
+                    else open_checkpoint(url, self.run.storage_options)
+                ) as ckpt:
                     report = ckpt.verify() if self.verify_on_restore else None
                     if report is not None and not report.ok:
                         log.warning("skipping %s: %s", entry_name, "; ".join(map(str, report.problems[:3])))
@@ -466,6 +508,7 @@ class CheckpointManager:
                     skipped.append(f"{entry_name}: another rank cannot use it")
                 continue
             assert snap is not None
+            read_seconds = time.perf_counter() - read_started
             restored = api.restore(
                 snap,
                 checkpoint_id=ckpt_id,
@@ -489,15 +532,36 @@ class CheckpointManager:
             _log_topology_change(entry_name, snap.contexts.get("topology", {}), now)
             if self._memory is not None:
                 self._memory.restored(self._step if self._step is not None else -1, candidate.memory)
+            sources = fetched.sources() if fetched is not None else {}
+            tier = candidate.tier
+            if fetched is not None and any(v.startswith("peer") for v in sources.values()):
+                tier = "peer"  # some of what this rank read came from another node's memory
             self.last_restore = RestoreReport(
                 step=self._step,
-                tier=candidate.tier,
+                tier=tier,
                 url=ckpt_url,
                 checkpoint_id=ckpt_id,
                 seconds=time.perf_counter() - started,
                 bytes_read=bytes_read,
                 skipped=tuple(skipped),
+                sources=sources,
+                bytes_between_nodes=fetched.bytes_moved if fetched is not None else 0,
+                phases={
+                    "agree": round(self._agree_seconds, 6),
+                    "gather": round(fetched.seconds if fetched is not None else 0.0, 6),
+                    "read": round(read_seconds, 6),
+                    "apply": round(
+                        time.perf_counter()
+                        - started
+                        - self._agree_seconds
+                        - read_seconds
+                        - (fetched.seconds if fetched is not None else 0.0),
+                        6,
+                    ),
+                },
+                held=tuple(h.to_summary() for h in self._agreed.held) if self._agreed is not None else (),
             )
+            self._record_restore(self.last_restore)
             log.info(
                 "restored step %s from %s (%s) in %.3f s, %d bytes read",
                 self._step,
@@ -509,13 +573,42 @@ class CheckpointManager:
             return self._step
         return None
 
+    def _record_restore(self, report: RestoreReport) -> None:
+        """Every rank's report, gathered; rank 0 logs it and writes it beside the checkpoints (``ckpt ls`` shows it)."""
+        mine = json.dumps(report.to_dict()).encode("utf-8")
+        gathered = self.collective.gather(mine, dst=0) if self.collective is not None else [mine]
+        if gathered is None:
+            return
+        doc = {**report.to_dict(), "ranks": [json.loads(g) for g in gathered]}
+        log.info("restore report: %s", json.dumps(report.to_dict()))
+        try:
+            self.run.record_restore(doc)
+        except CheckpointError as exc:  # a report is a record, not a reason to fail a restore that worked
+            log.warning("the restore report could not be written: %s", exc)
+
     def _all_candidates(self) -> list[Candidate]:
         """Every checkpoint a restore may take, newest step first; at the same step, memory before durable."""
         found = [
             Candidate(label=name, step=step, status=status, url=self.run.child_url(name), tier="durable")
             for name, step, status in self._candidates()
         ]
-        if self._memory is not None:
+        self._agreed, self._agree_seconds = None, 0.0
+        if self._memory is not None and self._memory.across_nodes:
+            started = time.perf_counter()
+            self._agreed = self._memory.agreed()
+            found += [
+                Candidate(
+                    label=f"memory step {o.step} ({o.checkpoint_id[:23]})",
+                    step=o.step,
+                    status="committed",
+                    url=str(self._memory.tier.root),
+                    tier="memory",
+                    option=o,
+                )
+                for o in self._agreed.options()
+            ]
+            self._agree_seconds = time.perf_counter() - started
+        elif self._memory is not None:
             found += [
                 Candidate(label=f"memory {c.url}", step=c.step, status="committed", url=c.url, tier="memory", memory=c)
                 for c in self._memory.candidates()

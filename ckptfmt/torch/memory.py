@@ -36,13 +36,17 @@ from typing import Any
 
 import torch
 
-from ..collective import Collective, decode_status, encode_status
+from ..collective import Collective, PeerChannel, decode_status, encode_status
 from ..errors import CheckpointError, CheckpointExistsError, MemoryCapacityError, UsageError
+from ..manifest import MAX_MANIFEST_BYTES
 from ..run import RunDirectory
 from ..storage.slot import SlotStore
 from ..tier import MemoryTier, Slot, SlotBinding, Throttle, node_key, persist, run_identity
+from ..tier.agreed import AgreedRestore
 from ..tier.binding import normalize_run_url
-from ..tier.persist import Persisted, lower_thread_priority
+from ..tier.nodes import NodeMap
+from ..tier.persist import Persisted, lower_thread_priority, persist_spread
+from ..tier.replica import Replicator
 from ..writer import CheckpointWriter
 from . import state
 from .state import HostBuffers, Snapshot
@@ -81,6 +85,8 @@ class MemorySnapshots:
         keep_last: int | None = None,
         keep_every: int | None = None,
         on_persisted: Callable[[Persisted], None] | None = None,
+        replicate: bool = False,
+        channel: PeerChannel | None = None,
     ) -> None:
         self.run = run
         self.tier = MemoryTier(memory_dir, run.url, slots=slots)
@@ -94,8 +100,23 @@ class MemorySnapshots:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.on_persisted = on_persisted
-        self._check_one_node()
+        self.nodes = NodeMap.gather(collective, self.node)
+        self.channel = channel
         self.tier.ensure()
+        self.replicator: Replicator | None = None
+        # a restore across nodes: the job spans several, or it asked for replicas (a job shrunk onto one node
+        # after a node loss reads its own slots and the copies that node holds of the lost one's files)
+        self.across_nodes = replicate or self.nodes.multi_node
+        if replicate and not self.nodes.multi_node:
+            log.warning(
+                "replicate=True, but every rank is on node %r: there is no other node to hold a copy", self.node
+            )
+        elif replicate:
+            if channel is None:
+                raise UsageError("replicate=True needs a channel between ranks (torch.distributed)")
+            self.replicator = Replicator(self.tier, channel, self.nodes, self.rank)
+        self._replica_rounds = 0
+        self._files: list[str] = []  # the files this rank wrote into the newest snapshot
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-memory")
         self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-persist")
         self._inflight: Future[None] | None = None
@@ -121,40 +142,34 @@ class MemorySnapshots:
 
     # ---------------------------------------------------------------- set-up
 
-    def _check_one_node(self) -> None:
-        """Every rank of this job on one node: the slot then holds the whole checkpoint (replicas across nodes
-        are the next step of the design, spec/memory.md)."""
-        if self.collective is None:
-            return
-        keys = self.collective.gather(self.node.encode("utf-8"), dst=0)
-        verdict = None
-        if keys is not None:
-            nodes = sorted({k.decode("utf-8", "replace") for k in keys})
-            error = None
-            if len(nodes) > 1:
-                error = UsageError(
-                    f"the memory tier needs every rank on one node for now; this job spans {len(nodes)} nodes "
-                    f"({', '.join(nodes[:4])}): turn it off (memory_every=0) on multi-node jobs"
-                )
-            verdict = encode_status(error)
-        decode_status(self.collective.broadcast(verdict, src=0))
-
     def check_capacity(self, per_rank: int) -> None:
         """Refuse slots that would not fit the memory directory (all ranks raise the same error)."""
         totals = [per_rank]
         if self.collective is not None:
             gathered = self.collective.gather(str(per_rank).encode(), dst=0)
             totals = [int(g) for g in gathered] if gathered is not None else []
+        # every node checks its own memory directory for its ranks' share (and, with replicas, one more share:
+        # its partners' copies); the first refusal is every rank's
         verdict: bytes | None = None
-        if self.rank == 0:
-            try:
-                self.tier.check_capacity(sum(totals))
-                verdict = encode_status(None)
-            except MemoryCapacityError as exc:
-                verdict = encode_status(exc)
         if self.collective is not None:
+            shares = json.dumps(totals).encode() if self.rank == 0 else None
+            totals = json.loads(self.collective.broadcast(shares, src=0))
+        error: MemoryCapacityError | None = None
+        if self.nodes.leader(self.node) == self.rank:
+            mine = sum(totals[r] for r in self.nodes.ranks_of(self.node))
+            if self.replicator is not None:
+                mine *= 2
+            try:
+                self.tier.check_capacity(mine)
+            except MemoryCapacityError as exc:
+                error = exc
+        if self.collective is not None:
+            statuses = self.collective.gather(encode_status(error), dst=0)
+            if statuses is not None:
+                verdict = next((s for s in statuses if b'"error"' in s), encode_status(None))
             verdict = self.collective.broadcast(verdict, src=0)
-        assert verdict is not None
+        else:
+            verdict = encode_status(error)
         decode_status(verdict)
         self._checked_capacity = True
 
@@ -192,12 +207,29 @@ class MemorySnapshots:
             for s, u, i in json.loads(self.collective.broadcast(data, src=0))
         ]
 
+    def agreed(self) -> AgreedRestore:
+        """The restore across nodes (several nodes, or replicas): what every node holds, agreed on every rank."""
+        return AgreedRestore(
+            self.tier,
+            collective=self.collective,
+            channel=self.channel,
+            nodes=self.nodes,
+            node=self.node,
+            run_id=self.run_id,
+            run_dir=self.run.url,
+            rank=self.rank,
+        )
+
     def restored(self, step: int, candidate: MemoryCandidate | None) -> None:
         """After a restore of ``step`` (from ``candidate``, or from the run directory when None): slots holding a
         newer step are not this trajectory's (they failed, or another rank could not use them) and go back to the
         ring to be rewritten, never persisted; a restored snapshot the run directory lacks is persisted in the
         background (rank 0), so it outlives this node."""
         slot = int(candidate.url.rstrip("/").rpartition("-")[2]) if candidate is not None else None
+        if self.across_nodes:
+            # a restore across nodes read from several directories, perhaps of another world: no slot here is
+            # that snapshot whole, so none is adopted or persisted; every slot holding a newer step is dropped
+            slot = None
         if candidate is not None and slot is not None:
             self.newest = (slot, candidate.step, candidate.checkpoint_id)
         if self.rank != 0:
@@ -286,16 +318,23 @@ class MemorySnapshots:
                 log.warning("memory snapshot of step %d skipped: every slot is being persisted", step)
                 return
             snap.materialize(self.buffers)
+            spread = self.nodes.multi_node
             binding = SlotBinding(
                 run_id=self.run_id,
                 run_dir=normalize_run_url(self.run.url),
                 node=self.node,
                 world_size=self.world_size,
                 step=step,
+                nodes=self.nodes.nodes if spread else (),
             )
             store = SlotStore(self.tier.writable_slot(slot))
             writer = CheckpointWriter(
-                store, profile="training", overwrite=True, collective=self.collective, metadata=binding.to_metadata()
+                store,
+                profile="training",
+                overwrite=True,
+                collective=self.collective,
+                metadata=binding.to_metadata(),
+                store_of_rank=self.nodes.store_of_rank() if spread else None,
             )
             state.stage_snapshot(writer, snap)
             try:
@@ -306,12 +345,56 @@ class MemorySnapshots:
         finally:
             self._copied.set()  # even on failure: never leave the trainer's optimizer blocked
         ckpt_id = writer.commit()
+        self._files = [f.path for f in writer.result().files]
         self.newest = (slot, step, ckpt_id)
         if self.rank == 0:
             with self._lock:
                 self._ring()[slot] = step
+        self._replicate(slot, step)
+        if self.nodes.multi_node:
             if persist:
-                self._submit_persist(slot)
+                self._persist_spread(slot)
+        elif self.rank == 0 and persist:
+            self._submit_persist(slot)
+
+    def _replicate(self, slot: int, step: int) -> None:
+        """Start a replica round for the snapshot just committed, when every rank's previous round is done (all
+        ranks decide together: a partner still busy makes every rank skip this one, never wait)."""
+        if self.replicator is None or self.collective is None:
+            return
+        busy = self.collective.gather(b"1" if self.replicator.busy() else b"0", dst=0)
+        decision = (b"skip" if b"1" in busy else b"go") if busy is not None else None
+        if self.collective.broadcast(decision, src=0) != b"go":
+            self.replicator.dropped += 1
+            log.info("replica of step %d skipped: the previous one is still being copied", step)
+            return
+        path = self.tier.slot_path(slot)
+        manifest = SlotStore(path).read("manifest.json", max_size=MAX_MANIFEST_BYTES)
+        self.replicator.start(
+            self._replica_rounds, step=step, slot_path=path, manifest_bytes=manifest, files=self._files
+        )
+        self._replica_rounds += 1
+
+    def _persist_spread(self, slot: int) -> None:
+        """Several nodes: every rank copies its files of the slot into the run directory, rank 0 commits (on this
+        thread: the ranks' copies must line up, so they are not coalesced as one node's are)."""
+        assert self.collective is not None
+        with self._lock:
+            self._held[slot] = self._held.get(slot, 0) + 1
+        try:
+            done = persist_spread(
+                self.tier.slot_path(slot),
+                self.run,
+                collective=self.collective,
+                files=self._files,
+                throttle=Throttle(self.persist_duty),
+            )
+        finally:
+            with self._lock:
+                self._held[slot] -= 1
+        self.last_persisted = done
+        if self.rank == 0 and self.on_persisted is not None:
+            self.on_persisted(done)
 
     def _submit_persist(self, slot: int) -> None:
         """Persist the snapshot just committed in ``slot`` in the background.
@@ -330,8 +413,12 @@ class MemorySnapshots:
         self._persists.append(self._persister.submit(self._persist_waiting))
 
     def persist_slot(self, slot: int) -> None:
-        """Persist the committed snapshot in ``slot`` in the background (rank 0; the others have nothing to do)."""
-        if self.rank == 0:
+        """Persist the committed snapshot in ``slot`` in the background (one node: rank 0, the others have nothing
+        to do; several: every rank copies its own files, so every rank calls this)."""
+        if self.nodes.multi_node:
+            self.wait_snapshot()
+            self._inflight = self._writer.submit(self._persist_spread, slot)
+        elif self.rank == 0:
             self._submit_persist(slot)
 
     def _persist_waiting(self) -> Persisted | None:
@@ -382,6 +469,12 @@ class MemorySnapshots:
         if future is not None:
             future.result()
 
+    def wait_replica(self) -> None:
+        """Block until this rank's part of the replica round in flight is done (its failures are logged)."""
+        self.wait_snapshot()
+        if self.replicator is not None:
+            self.replicator.wait()
+
     def wait(self) -> Persisted | None:
         """The snapshot in flight committed and every persist done; the first failure is raised."""
         self.wait_snapshot()
@@ -401,8 +494,8 @@ class MemorySnapshots:
 
     def persist_newest(self) -> Persisted | None:
         """Persist the newest committed snapshot now, unthrottled, on the calling thread (SIGTERM); None when
-        there is none or this is not rank 0."""
-        if self.rank != 0:
+        there is none or this is not rank 0 (or the snapshot is spread over several nodes)."""
+        if self.rank != 0 or self.nodes.multi_node:
             return None
         with self._lock:
             committed = {s: step for s, step in self._ring().items() if step is not None}
@@ -419,8 +512,13 @@ class MemorySnapshots:
             self.wait()
             newest, done = self.newest, self.last_persisted
             if persist and newest is not None and (done is None or done.step < newest[1]):
-                self.persist_newest()
+                if self.nodes.multi_node:  # every rank copies its own files, together
+                    self._writer.submit(self._persist_spread, newest[0]).result()
+                else:
+                    self.persist_newest()
         finally:
+            if self.replicator is not None:
+                self.replicator.close()
             self._writer.shutdown()
             self._persister.shutdown()
             if self._gate is not None:
@@ -439,6 +537,10 @@ class MemorySnapshots:
         only when nobody else (asyncio) owns the wakeup fd.
         """
         if self.rank != 0 or threading.current_thread() is not threading.main_thread():
+            return
+        if self.nodes.multi_node:
+            # rank 0 alone holds only its node's files of a snapshot; a persist takes every rank
+            # (checkpoint_if_due's preemption save), and replicas keep what a lost node held
             return
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)

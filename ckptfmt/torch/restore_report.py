@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from ..tier.agreed import MemoryOption
 from .memory import MemoryCandidate
 
-Tier = Literal["memory", "durable"]
+Tier = Literal["memory", "peer", "durable"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,6 +25,11 @@ class RestoreReport:
     seconds: float
     bytes_read: int  # tensor bytes fetched (headers and context blobs not counted)
     skipped: tuple[str, ...] = ()  # newer candidates passed over, each with why
+    # across nodes: each file this rank read -> "memory", "peer-copy" or "peer:rank R" (see ckptfmt.tier.agreed)
+    sources: Mapping[str, str] = field(default_factory=dict)
+    bytes_between_nodes: int = 0  # moved over the network at this restore, every rank's transfers together
+    phases: Mapping[str, float] = field(default_factory=dict)  # seconds: agree, gather, read, apply
+    held: tuple[Mapping[str, object], ...] = ()  # what the live nodes' memory held (complete checkpoints)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -33,6 +40,10 @@ class RestoreReport:
             "seconds": round(self.seconds, 6),
             "bytes_read": self.bytes_read,
             "skipped": list(self.skipped),
+            "sources": dict(self.sources),
+            "bytes_between_nodes": self.bytes_between_nodes,
+            "phases": dict(self.phases),
+            "held": [dict(h) for h in self.held],
         }
 
 
@@ -46,6 +57,7 @@ class Candidate:
     url: str
     tier: Tier
     memory: MemoryCandidate | None = None
+    option: MemoryOption | None = None  # a checkpoint spread over nodes' memory (a restore across nodes)
 
 
 def estimated_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -22,6 +22,7 @@ from ..collective import Collective
 from ..context import decode, encode
 from ..convert.torch_bridge import to_torch
 from ..errors import ContextError, UsageError
+from ..manifest import FieldRecord, Manifest
 from ..reader import Checkpoint
 from ..writer import COORDINATOR, CheckpointWriter
 from . import rng
@@ -408,6 +409,39 @@ def _gather_rng(snap: Snapshot, collective: Collective) -> None:
         snap.contexts["rng"] = rng.with_ranks([decode(g, field="rng") for g in gathered])
 
 
+def _placed(field_name: str, record: FieldRecord, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensors of a field that load into a live DTensor (only its region is read): name -> the DTensor."""
+    placed: dict[str, Any] = {}
+    for tname, tensor in record.tensors.items():
+        owner = tname if field_name == "weights" else tname.rpartition("/")[0] if field_name == "optimizer" else ""
+        like = targets.get(owner)
+        if like is not None and tuple(tensor.shape) == tuple(int(d) for d in like.shape):
+            placed[tname] = like
+    return placed
+
+
+def files_needed(manifest: Manifest, targets: Mapping[str, Any] | None = None) -> set[str]:
+    """The files :func:`read_snapshot` reads from a checkpoint with ``manifest`` on this rank: every context
+    blob, and the data files of the chunks it reads (for a placed tensor, those overlapping this rank's region)."""
+    targets = targets or {}
+    needed: set[str] = set()
+    for name, record in manifest.fields.items():
+        if record.context is not None:
+            needed.add(record.context)
+        placed = _placed(name, record, targets) if record.kind == "tensors" else {}
+        for tname, tensor in record.tensors.items():
+            like = placed.get(tname)
+            region = local_region(like) if like is not None else None
+            for chunk in tensor.chunks:
+                if region is None or _overlaps(chunk.offsets, chunk.shape, region[0], region[1]):
+                    needed.add(chunk.path)
+    return needed
+
+
+def _overlaps(offsets: Any, shape: Any, lo: Any, size: Any) -> bool:
+    return all(o < b + s and b < o + n for o, n, b, s in zip(offsets, shape, lo, size, strict=True))
+
+
 def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) -> Snapshot:
     """Every field, every byte read and digest-checked, before anything is applied anywhere.
 
@@ -419,12 +453,7 @@ def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) ->
     targets = targets or {}
     for name, record in ckpt.fields.items():
         if record.kind == "tensors":
-            placed: dict[str, Any] = {}
-            for tname, tensor in record.tensors.items():
-                owner = tname if name == "weights" else tname.rpartition("/")[0] if name == "optimizer" else ""
-                like = targets.get(owner)
-                if like is not None and tuple(tensor.shape) == tuple(int(d) for d in like.shape):
-                    placed[tname] = like
+            placed = _placed(name, record, targets)
             tensors: dict[str, Stored] = dict(
                 ckpt.read_tensors(name, names=[t for t in record.tensors if t not in placed])
             )

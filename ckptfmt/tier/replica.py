@@ -1,0 +1,153 @@
+"""Replicas: each rank's files of a committed memory snapshot, copied to its partner on another node.
+
+A **round** replicates one snapshot: every rank that has a partner (:meth:`NodeMap.partners`) sends the files it
+wrote, and every rank receives from the ranks that chose it, each direction on a thread of its own, beside
+training. The copy lands in the receiver's memory directory, beside its own slots, as
+``peer-<source rank>-<k>`` (a ring of two per source, so the copy being written never replaces the newest one),
+and counts only once every file arrived and checked and its manifest was written last (:mod:`.wire`).
+
+Every rank takes part in the same rounds in the same order (the snapshot's writer decides them together, after
+each commit): a round still running when the next snapshot commits makes every rank skip replicating that one,
+so a slow partner costs a lagging replica, never a stalled step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..collective import PeerChannel
+from ..errors import UnsafePathError
+from ..paths import LOCK_NAME, MANIFEST_NAME
+from ..storage.slot import SlotStore
+from .holdings import PEER_PREFIX
+from .nodes import NodeMap
+from .persist import lower_thread_priority
+from .ring import MemoryTier, private_dir_problem
+from .wire import receive_files, send_files
+
+log = logging.getLogger("ckptfmt")
+ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags above
+
+
+def peer_dir(tier: MemoryTier, source: int, round_no: int) -> str:
+    return os.path.join(tier.root, f"{PEER_PREFIX}{source:05d}-{round_no % 2}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundResult:
+    """What one rank did in one round."""
+
+    round_no: int
+    step: int
+    sent: int = 0  # bytes
+    received: int = 0  # bytes
+    committed: tuple[int, ...] = ()  # sources whose copy this rank committed
+
+
+class Replicator:
+    """One rank's side of replication over ``channel`` (its own process group: rounds run beside training)."""
+
+    def __init__(self, tier: MemoryTier, channel: PeerChannel, nodes: NodeMap, rank: int) -> None:
+        self.tier = tier
+        self.channel = channel
+        self.rank = rank
+        self.partner = nodes.partners().get(rank)
+        self.sources = nodes.sources_of(rank)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfmt-replica")
+        self._round: tuple[int, int, Future[int], list[Future[int]]] | None = None
+        self._lock = threading.Lock()
+        self.rounds = 0
+        self.dropped = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.last: RoundResult | None = None
+        self.failures: list[str] = []
+
+    def busy(self) -> bool:
+        """Whether this rank's part of the last round is still running."""
+        current = self._round
+        return current is not None and not (current[2].done() and all(f.done() for f in current[3]))
+
+    def start(self, round_no: int, *, step: int, slot_path: str, manifest_bytes: bytes, files: list[str]) -> None:
+        """Begin this rank's part of round ``round_no`` (every rank calls it for the same rounds, in order)."""
+        tag = 1 + round_no % (ROUND_TAGS - 1)
+        if self._round is not None:
+            self.wait()  # done already (every rank agreed it was), but not yet accounted
+        sending: Future[int] = self._pool.submit(self._send, tag, slot_path, manifest_bytes, files)
+        receiving = [self._pool.submit(self._receive, tag, src, round_no) for src in self.sources]
+        self._round = (round_no, step, sending, receiving)
+        self.rounds += 1
+
+    def _settle(self, round_no: int, step: int, sending: Future[int], receiving: list[Future[int]]) -> None:
+        with self._lock:
+            if self.last is not None and self.last.round_no == round_no:
+                return
+            sent = _value(sending, self.failures, f"round {round_no} (step {step}): send")
+            got = [_value(f, self.failures, f"round {round_no} (step {step}): receive") for f in receiving]
+            self.bytes_sent += sent
+            self.bytes_received += sum(got)
+            committed = tuple(s for s, f in zip(self.sources, receiving, strict=True) if f.exception() is None)
+            self.last = RoundResult(round_no=round_no, step=step, sent=sent, received=sum(got), committed=committed)
+
+    def _send(self, tag: int, slot_path: str, manifest_bytes: bytes, files: list[str]) -> int:
+        if self.partner is None:
+            return 0
+        lower_thread_priority()
+        return send_files(
+            self.channel,
+            dst=self.partner,
+            tag=tag,
+            source=SlotStore(slot_path),
+            manifest_bytes=manifest_bytes,
+            paths=files,
+        )
+
+    def _receive(self, tag: int, src: int, round_no: int) -> int:
+        """One source's files into ``peer-<src>-<k>``: un-committed first, manifest written last."""
+        path = peer_dir(self.tier, src, round_no)
+        if private_dir_problem(path) == "absent":
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        problem = private_dir_problem(path)
+        if problem is not None:  # the sender's side then fails on its own (its group's timeout)
+            raise UnsafePathError(f"peer copy directory refused: {problem}", path=path)
+        store = SlotStore(path)
+        store.delete(MANIFEST_NAME)  # un-commit before a byte changes (as MEM-5 for slots)
+        received = receive_files(self.channel, src=src, tag=tag, destination=store)
+        keep = {f.path for f in received.files}
+        for stale in store.list():
+            if stale not in keep and stale not in (MANIFEST_NAME, LOCK_NAME):
+                store.delete(stale)
+        store.put_exclusive(MANIFEST_NAME, received.manifest_bytes)
+        return received.nbytes
+
+    def wait(self) -> RoundResult | None:
+        """Block until this rank's part of the last round is done; failures are logged, never raised (a
+        replica is a second copy: losing one costs protection against a node loss, not the run)."""
+        current = self._round
+        if current is not None:
+            round_no, step, sending, receiving = current
+            for future in (sending, *receiving):
+                try:
+                    future.result()
+                except Exception:
+                    pass
+            self._settle(round_no, step, sending, receiving)
+        return self.last
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
+
+
+def _value(future: Future[int], failures: list[str], what: str) -> int:
+    exc = future.exception()
+    if exc is None:
+        return future.result()
+    message = f"{what} failed: {type(exc).__name__}: {exc}"
+    failures.append(message)
+    log.warning("replica %s", message)
+    return 0

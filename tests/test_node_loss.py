@@ -1,0 +1,124 @@
+"""Lose a node, keep every replicated step (spec/memory.md, MEM-9 to MEM-12): two nodes of two FSDP2 ranks over gloo.
+
+A node here is a set of ranks with its own ``CKPTFMT_NODE_KEY`` and memory directory (``--node-of-rank``).
+
+- Four ranks on nodes A and B, a memory snapshot every step, each replicated to the other node. After step 5
+  every rank dies and node B's memory directory is deleted: the node is gone.
+- The survivors (two ranks on A) restore step 5 (0 replicated steps lost) from A's own slot and the copies of
+  B's files that A holds, reshard 4 -> 2, and train to step 8.
+- Node B comes back with empty memory: four ranks restore step 8, B's ranks getting their files from A's
+  memory over gloo (every byte checked), and train to step 12.
+
+A reference goes through the same world sizes from durable checkpoints only; the two runs must agree bit for
+bit: every step's loss, and the final checkpoint's weights, optimizer state, RNG and data position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.concurrent_runs import Jobs
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
+
+TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+CKPT = Path(sys.executable).with_name("ckpt")
+STEPS, LOST_AT, BACK_AT = 12, 5, 8
+JOB = "ckptfmt-node-loss-test"
+
+
+def torchrun(tmp: Path, name: str, nproc: int, *args: str, ok: bool = True) -> str:
+    """``name`` without its digits is the job (one run id, as a relaunched job keeps it): ``mem``, ``ref``."""
+    job = f"{JOB}-{name.rstrip('0123456789')}"
+    cmd = [str(TORCHRUN), "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}"]
+    cmd += ["--nnodes=1", f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.2"]
+    cmd += [str(TRAIN), "--steps", str(STEPS), "--every", "100", "--keep-last", "100", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    if ok:
+        assert proc.returncode == 0, f"{name}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("node-loss")
+    shm = tmp / "shm"
+    mem = ["--run-dir", str(tmp / "run"), "--losses-out", str(tmp / "run.json"), "--memory-every", "1"]
+    mem += ["--memory-dir", str(shm), "--replicate", "--replica-sync"]
+    ref = ["--run-dir", str(tmp / "ref"), "--losses-out", str(tmp / "ref.json")]
+
+    def lost() -> str:
+        out = torchrun(tmp, "mem1", 4, *mem, "--node-of-rank", "A,A,B,B", "--lose-node-at-step", str(LOST_AT), ok=False)
+        shutil.rmtree(shm / "B")  # the node is gone, and its memory with it
+        return out
+
+    def survivors(_: str) -> str:
+        out = torchrun(tmp, "mem2", 2, *mem, "--node-of-rank", "A,A", "--stop-at-step", str(BACK_AT))
+        shutil.copy(tmp / "run" / "last-restore.json", tmp / "survivors-restore.json")  # the next restore replaces it
+        return out
+
+    def back(_: str) -> str:
+        return torchrun(tmp, "mem3", 4, *mem, "--node-of-rank", "A,A,B,B")
+
+    jobs = Jobs(workers=2)
+    jobs.add("lost", lost)
+    jobs.add("ref1", lambda: torchrun(tmp, "ref1", 4, *ref, "--stop-at-step", str(LOST_AT)))
+    jobs.add("survivors", survivors, "lost")
+    jobs.add("ref2", lambda _: torchrun(tmp, "ref2", 2, *ref, "--stop-at-step", str(BACK_AT)), "ref1")
+    jobs.add("back", back, "survivors")
+    jobs.add("ref3", lambda _: torchrun(tmp, "ref3", 4, *ref), "ref2")
+    jobs.run()
+    return {"tmp": tmp, **{name: jobs[name] for name in ("lost", "survivors", "back", "ref3")}}
+
+
+def report(out: str) -> dict[str, Any]:
+    found = re.search(r"restore report: (\{.*\})", out)
+    assert found is not None, out[-3000:]
+    return dict(json.loads(found.group(1)))
+
+
+def test_the_survivors_restore_the_last_replicated_step_from_memory(runs: dict[str, Any]) -> None:
+    replicated = {int(s) for s in re.findall(r"replica of step (\d+) is in", runs["lost"])}
+    assert replicated == {LOST_AT}, runs["lost"][-3000:]
+    got = report(runs["survivors"])
+    assert got["step"] == LOST_AT and got["skipped"] == [], got  # 0 replicated steps lost
+    ranks = json.loads((runs["tmp"] / "survivors-restore.json").read_text())["ranks"]
+    # FSDP 4 -> 2: rank 1 holds what saved ranks 2 and 3 (node B) held; it reads them from the copies on A
+    assert ranks[1]["tier"] == "peer", ranks[1]
+    assert ranks[1]["sources"]["weights/r00002-00000.safetensors"] == "peer-copy", ranks[1]
+    assert ranks[0]["sources"]["weights/r00000-00000.safetensors"] == "memory", ranks[0]
+    assert all(r["bytes_between_nodes"] == 0 for r in ranks)  # nothing crossed the network: A had it all
+
+
+def test_the_returning_node_is_filled_from_the_others_memory(runs: dict[str, Any]) -> None:
+    got = report(runs["back"])
+    assert got["step"] == BACK_AT and got["bytes_between_nodes"] > 0, got
+    record = json.loads((runs["tmp"] / "run" / "last-restore.json").read_text())
+    ranks = record["ranks"]
+    assert [r["tier"] for r in ranks] == ["memory", "memory", "peer", "peer"], ranks  # B's ranks fetched
+    assert any(v.startswith("peer:rank ") for v in ranks[2]["sources"].values()), ranks[2]
+
+
+def test_the_run_after_a_node_loss_is_bit_identical_to_one_resumed_from_disk(runs: dict[str, Any]) -> None:
+    tmp: Path = runs["tmp"]
+    assert json.loads((tmp / "run.json").read_text()) == json.loads((tmp / "ref.json").read_text())
+    final = f"step-{STEPS:09d}"
+    ignore = ["--ignore", "provenance", "--ignore", "metadata.ckptfmt.memory.*"]
+    diff = subprocess.run(
+        [str(CKPT), "diff", *ignore, str(tmp / "ref" / final), str(tmp / "run" / final)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert diff.returncode == 0, diff.stdout + diff.stderr
