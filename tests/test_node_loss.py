@@ -6,8 +6,9 @@ A node here is a set of ranks with its own ``CKPTFMT_NODE_KEY`` and memory direc
   every rank dies and node B's memory directory is deleted: the node is gone.
 - The survivors (two ranks on A) restore step 5 (0 replicated steps lost) from A's own slot and the copies of
   B's files that A holds, reshard 4 -> 2, and train to step 8.
-- Node B comes back with empty memory: four ranks restore step 8, B's ranks getting their files from A's
-  memory over gloo (every byte checked), and train to step 12.
+- Node B comes back with empty memory, its ranks now first in rank order: four ranks restore step 8, B's ranks
+  getting their files from A's memory over gloo (every byte checked), and train to step 12.
+- Both copies of B's files damaged: every survivor passes over both memory steps and takes the durable one.
 
 A reference goes through the same world sizes from durable checkpoints only; the two runs must agree bit for
 bit: every step's loss, and the final checkpoint's weights, optimizer state, RNG and data position.
@@ -54,7 +55,7 @@ def torchrun(tmp: Path, name: str, nproc: int, *args: str, ok: bool = True) -> s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("node-loss")
     shm = tmp / "shm"
-    mem = ["--run-dir", str(tmp / "run"), "--losses-out", str(tmp / "run.json"), "--memory-every", "1"]
+    mem = ["--run-dir", str(tmp / "run"), "--losses-out", str(tmp / "run.json"), "--memory-every", "1", "--every", "3"]
     mem += ["--memory-dir", str(shm), "--replicate", "--replica-sync"]
     ref = ["--run-dir", str(tmp / "ref"), "--losses-out", str(tmp / "ref.json")]
 
@@ -63,23 +64,40 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         shutil.rmtree(shm / "B")  # the node is gone, and its memory with it
         return out
 
+    def damaged(_: str) -> str:
+        """Both copies of node B's files bad (step 5's of rank 2, step 4's of rank 3): the survivors take neither,
+        all of them alike, and restore the durable step 3. Read-only: it stops before training."""
+        flipped = [shm / "A" / "*" / "peer-00002-0", shm / "A" / "*" / "peer-00003-1"]
+        originals = {}
+        for pattern in flipped:
+            (where,) = list(shm.glob(str(pattern.relative_to(shm))))
+            target = next(where.glob("optimizer/r0000*-00000.safetensors"))
+            originals[target] = target.read_bytes()
+            target.write_bytes(originals[target][:-9] + bytes([originals[target][-9] ^ 4]) + originals[target][-8:])
+        out = torchrun(tmp, "mem2", 2, *mem, "--node-of-rank", "A,A", "--stop-at-step", "1")
+        for target, data in originals.items():
+            target.write_bytes(data)
+        return out
+
     def survivors(_: str) -> str:
         out = torchrun(tmp, "mem2", 2, *mem, "--node-of-rank", "A,A", "--stop-at-step", str(BACK_AT))
         shutil.copy(tmp / "run" / "last-restore.json", tmp / "survivors-restore.json")  # the next restore replaces it
         return out
 
     def back(_: str) -> str:
-        return torchrun(tmp, "mem3", 4, *mem, "--node-of-rank", "A,A,B,B")
+        # node B returns ahead of A in rank order: shards are found by what they are, not by who held them
+        return torchrun(tmp, "mem3", 4, *mem, "--node-of-rank", "B,B,A,A")
 
     jobs = Jobs(workers=2)
     jobs.add("lost", lost)
     jobs.add("ref1", lambda: torchrun(tmp, "ref1", 4, *ref, "--stop-at-step", str(LOST_AT)))
-    jobs.add("survivors", survivors, "lost")
+    jobs.add("damaged", damaged, "lost")
+    jobs.add("survivors", survivors, "damaged")
     jobs.add("ref2", lambda _: torchrun(tmp, "ref2", 2, *ref, "--stop-at-step", str(BACK_AT)), "ref1")
     jobs.add("back", back, "survivors")
     jobs.add("ref3", lambda _: torchrun(tmp, "ref3", 4, *ref), "ref2")
     jobs.run()
-    return {"tmp": tmp, **{name: jobs[name] for name in ("lost", "survivors", "back", "ref3")}}
+    return {"tmp": tmp, **{name: jobs[name] for name in ("lost", "damaged", "survivors", "back", "ref3")}}
 
 
 def report(out: str) -> dict[str, Any]:
@@ -101,13 +119,23 @@ def test_the_survivors_restore_the_last_replicated_step_from_memory(runs: dict[s
     assert all(r["bytes_between_nodes"] == 0 for r in ranks)  # nothing crossed the network: A had it all
 
 
+def test_a_bad_copy_makes_every_rank_take_the_next_holder_and_both_bad_the_durable_checkpoint(
+    runs: dict[str, Any],
+) -> None:
+    got = report(runs["damaged"])
+    assert got["tier"] == "durable" and got["step"] == 3, got
+    assert len(got["skipped"]) == 2, got  # step 5, then step 4: each passed over by every rank
+    assert all("memory step" in s for s in got["skipped"]), got
+    assert "DigestMismatchError" in runs["damaged"]  # the rank that read the bad copy said why
+
+
 def test_the_returning_node_is_filled_from_the_others_memory(runs: dict[str, Any]) -> None:
     got = report(runs["back"])
     assert got["step"] == BACK_AT and got["bytes_between_nodes"] > 0, got
     record = json.loads((runs["tmp"] / "run" / "last-restore.json").read_text())
     ranks = record["ranks"]
-    assert [r["tier"] for r in ranks] == ["memory", "memory", "peer", "peer"], ranks  # B's ranks fetched
-    assert any(v.startswith("peer:rank ") for v in ranks[2]["sources"].values()), ranks[2]
+    assert [r["tier"] for r in ranks] == ["peer", "peer", "memory", "memory"], ranks  # B's ranks (0, 1) fetched
+    assert any(v.startswith("peer:rank ") for v in ranks[0]["sources"].values()), ranks[0]
 
 
 def test_the_run_after_a_node_loss_is_bit_identical_to_one_resumed_from_disk(runs: dict[str, Any]) -> None:

@@ -102,22 +102,23 @@ def receive_files(channel: PeerChannel, *, src: int, tag: int, destination: Stor
     announced = str(header.get("checkpoint_id"))
     manifest = _checked_manifest(manifest_bytes, announced, src)
     records = {f.path: f for f in manifest.files}
-    failure: CheckpointError | None = None
-    published: list[FileRecord] = []
-    nbytes = 0
+    wanted: list[FileRecord] = []
     for raw in header["paths"]:
         path = str(raw)
         record = records.get(path) if path != MANIFEST_NAME else None
-        if failure is None and record is None:
-            failure = CollectiveError(f"rank {src} sent a file its manifest does not list", path=path)
         if record is None:
-            # A header that lies about its paths: the sizes of what follows are unknown, so the channel cannot be
-            # kept in step. Fail; the sender's side fails or times out on its own.
-            raise failure or CollectiveError("transfer out of step", path=path)
+            # a header that names a file its manifest does not list: nothing is received (the sizes of what follows
+            # are unknown); the sender's side fails on its own (its group's timeout)
+            raise CollectiveError(f"rank {src} sent a file its manifest does not list", path=path)
         try:
             check_path(path)
         except CheckpointError as exc:
             raise CollectiveError(f"rank {src} sent an unsafe path: {exc}", path=path) from exc
+        wanted.append(record)
+    failure: CheckpointError | None = None
+    published: list[FileRecord] = []
+    nbytes = 0
+    for record in wanted:
         got, failure = _receive_file(channel, src, tag, record, destination, failure)
         if got:
             published.append(record)
