@@ -196,6 +196,18 @@ def memory_snapshot() -> dict[str, Any]:
     return doc
 
 
+def memory_snapshot_nodes() -> dict[str, Any]:
+    """The manifest of a memory snapshot of a job on two nodes (MEM-9): the same bytes are in every node's slot,
+    each slot holding its own ranks' files; this vector holds them all, as a union of the slots does."""
+    doc = memory_snapshot()
+    doc["metadata"] = {
+        **doc["metadata"],
+        "ckptfmt.memory.world_size": "4",
+        "ckptfmt.memory.nodes": '["node-07/7d1c","node-07/7d1c","node-12/0b9e","node-12/0b9e"]',
+    }
+    return doc
+
+
 def _deep(levels: int) -> object:
     value: object = 0
     for _ in range(levels):
@@ -442,6 +454,13 @@ VALID: tuple[Valid, ...] = (
         "A memory snapshot (spec/memory.md): a training checkpoint whose metadata binds it to its run, node and step; "
         "a reader reads it as any checkpoint.",
         memory_snapshot,
+    ),
+    Valid(
+        "memory-snapshot-nodes",
+        ("MEM-1", "MEM-3", "MEM-9"),
+        "A memory snapshot of a job on two nodes: its metadata names the node of each saving rank "
+        "(ckptfmt.memory.nodes); the same manifest is in each node's slot.",
+        memory_snapshot_nodes,
     ),
     Valid(
         "extra-fields",

@@ -353,3 +353,30 @@ def test_the_agreed_restore_gathers_what_a_node_lacks_and_falls_back_together_wh
     outcomes = threads(4, restore)
     assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
     assert len({str(o) for o in outcomes}) == 1 and "r00002" in str(outcomes[0])
+
+
+def test_a_rank_failing_before_the_merge_commits_nothing_in_any_store_and_leaves_no_lock(tmp_path: Path) -> None:
+    nodes = ("A", "A", "B", "B")
+    group = ThreadCollective.group(4, timeout=10)
+    nmap = NodeMap(nodes=nodes)
+    roots = {n: tmp_path / n for n in ("A", "B")}
+
+    def write(rank: int) -> str:
+        writer = CheckpointWriter(
+            SlotStore(roots[nodes[rank]]),
+            profile="weights",
+            collective=group[rank],
+            store_of_rank=nmap.store_of_rank(),
+        )
+        writer.write_tensor("weights", "w", np.ones((1, 2), np.float32), global_shape=(4, 2), offsets=(rank, 0))
+        if rank == 3:
+            writer.abort()  # this rank fails after writing its file: every rank's save fails
+            raise CollectiveError("rank 3 gave up")
+        return writer.commit()
+
+    outcomes = threads(4, write)
+    assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
+    for root in roots.values():
+        left = SlotStore(root).list() if root.exists() else {}
+        assert "manifest.json" not in left and ".writer-lock" not in left, left
+        assert not any(p.endswith(".safetensors") for p in left), left
