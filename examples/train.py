@@ -43,6 +43,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,9 @@ class Trainer:
         return float(loss.item())
 
 
+PG_TIMEOUT: float | None = None  # --pg-timeout: how long a collective waits for a silent peer
+
+
 def distributed() -> tuple[int, int]:
     """Join the torchrun job (gloo on CPU, NCCL with CUDA) when there is one: (rank, world size)."""
     import torch.distributed as dist
@@ -225,6 +229,7 @@ def distributed() -> tuple[int, int]:
             store=dist.PrefixStore(f"train-attempt-{attempt}", store),
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
+            **({"timeout": timedelta(seconds=PG_TIMEOUT)} if PG_TIMEOUT else {}),
         )
     return dist.get_rank(), dist.get_world_size()
 
@@ -338,8 +343,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--lose-node-at-step",
         type=int,
         metavar="N",
-        help="once step N's snapshot and replica are in, every rank dies (SIGKILL): the test then deletes a node",
+        help="once step N's snapshot and replica are in, every rank (of --lost-node only, if given) dies (SIGKILL)",
     )
+    p.add_argument("--lost-node", metavar="KEY", help="with --lose-node-at-step: only the ranks of this node die")
+    p.add_argument("--pg-timeout", type=float, metavar="SECONDS", help="the process group's timeout (a hung peer)")
     p.add_argument("--stop-at-step", type=int, metavar="N", help="end after step N (saved) as if the run were done")
     p.add_argument(
         "--replica-sync", action="store_true", help="wait for each replica before the next step (pins a test's steps)"
@@ -350,6 +357,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     imported = time.time()
     args = parse_args(argv)
+    global PG_TIMEOUT
+    PG_TIMEOUT = args.pg_timeout
     warm = prewarm()  # what the first step and the restore import lazily, imported while the process group forms
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -419,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
         if args.replica_sync:
             mgr.wait_replica()
-        if step == args.lose_node_at_step and attempt == 0:
+        node_dies = args.lost_node in (None, os.environ.get("CKPTFMT_NODE_KEY"))
+        if step == args.lose_node_at_step and attempt == 0 and node_dies:
             replica = mgr.wait_replica()  # this step's snapshot in every slot, and its copies on the other node
             copied = replica.step if replica is not None else None
             print(f"rank {rank}: replica of step {copied} is in; node lost at {time.time():.3f}", flush=True)

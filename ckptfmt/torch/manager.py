@@ -150,8 +150,11 @@ class CheckpointManager:
             atexit.register(self._at_exit)  # an interpreter that exits normally persists the newest snapshot
 
     def _at_exit(self) -> None:
+        # Several nodes: a persist needs every rank, and an interpreter that exits may be one whose peers are
+        # gone (it would wait out the peer timeout): the snapshot and its replicas stay in memory instead.
+        spread = self._memory is not None and self._memory.nodes.multi_node
         try:
-            self.close()
+            self.close(persist=not spread)
         except Exception:  # at exit nothing can be raised to; the snapshot stays in memory for `ckpt rescue`
             log.exception("the newest memory snapshot could not be persisted at exit")
 
