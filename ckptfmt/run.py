@@ -210,13 +210,13 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- latest and pins
 
-    def _read_pointer(self, path: str) -> object:
+    def _read_pointer(self, path: str, *, allow_float: bool = False) -> object:
         """A small JSON document of the run directory; None if absent, CheckpointError if unreadable."""
         try:
             data = self.store.read(path, max_size=MAX_POINTER_BYTES)
         except MissingFileError:
             return None
-        return load_json(data, error=CheckpointError, what=path, path=path)
+        return load_json(data, error=CheckpointError, what=path, path=path, allow_float=allow_float)
 
     def read_latest(self) -> dict[str, Any] | None:
         """The ``latest`` pointer, None if there is none; CheckpointError naming the file if it is unreadable
@@ -283,7 +283,7 @@ class RunDirectory:
     def last_restore(self) -> dict[str, Any] | None:
         """The newest restore's report, or None when there is none or it cannot be read."""
         try:
-            value = self._read_pointer(RESTORE_NAME)
+            value = self._read_pointer(RESTORE_NAME, allow_float=True)  # seconds
         except CheckpointError:
             return None
         return value if isinstance(value, dict) else None

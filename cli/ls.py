@@ -135,8 +135,42 @@ def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None
     entries = list_run(run_url, storage_options)
     for stray in strays(run_url, storage_options):
         info(f"skipped {stray}: symlinks and special files in a run directory are never followed")
+    restore = RunDirectory(run_url, storage_options).last_restore()
     if as_json:
-        emit_json({"url": run_url, "checkpoints": entries})
+        emit_json({"url": run_url, "checkpoints": entries, "last_restore": restore})
         return
     rows = [[e["name"], e["step"], e["created"], human_bytes(e["size"]), e["status"]] for e in entries]
     click.echo(table(["NAME", "STEP", "CREATED", "SIZE", "STATUS"], rows))
+    if restore is not None:
+        click.echo("\n" + "\n".join(describe_restore(restore)))
+
+
+def describe_restore(report: Mapping[str, Any]) -> list[str]:
+    """The last restore's report (``last-restore.json``) in a few lines: what it took, from where, what memory held."""
+    listed = report.get("ranks")
+    ranks: list[Any] = listed if isinstance(listed, list) else []
+    tiers = sorted({str(r.get("tier")) for r in ranks if isinstance(r, Mapping)}) or [str(report.get("tier"))]
+    given = report.get("phases")
+    order = ("agree", "gather", "read", "apply")
+    phases = (
+        {k: given[k] for k in sorted(given, key=lambda k: (k not in order, order.index(k) if k in order else 0, k))}
+        if isinstance(given, Mapping)
+        else {}
+    )
+    lines = [
+        f"last restore: step {report.get('step')} from {'+'.join(tiers)} on {len(ranks) or 1} rank(s), "
+        f"{human_bytes(int(report.get('bytes_between_nodes') or 0))} between nodes, "
+        f"{float(report.get('seconds') or 0.0):.3f} s"
+        + (f" ({', '.join(f'{k} {float(v):.3f} s' for k, v in phases.items())})" if phases else "")
+    ]
+    for skipped in report.get("skipped") or []:
+        lines.append(f"  passed over: {skipped}")
+    held = [h for h in report.get("held") or [] if isinstance(h, Mapping)]
+    if held:
+        lines.append("  memory held (complete checkpoints):")
+        for h in sorted(held, key=lambda h: (-int(h.get("step") or 0), str(h.get("node")), str(h.get("kind")))):
+            lines.append(
+                f"    step {h.get('step')}: node {h.get('node')} {h.get('kind')}, {h.get('files')} file(s), "
+                f"{human_bytes(int(h.get('bytes') or 0))}"
+            )
+    return lines

@@ -79,6 +79,32 @@ def test_table(run_dir: Path) -> None:
     assert "logs" not in result.stdout
 
 
+def test_the_last_restore_is_shown_with_what_memory_held(run_dir: Path) -> None:
+    from ckptfmt.run import RunDirectory
+
+    report = {
+        "step": 5,
+        "tier": "memory",
+        "seconds": 0.25,
+        "bytes_between_nodes": 2048,
+        "phases": {"apply": 0.1, "agree": 0.05, "read": 0.05, "gather": 0.05},
+        "skipped": ["memory step 6 (sha256:ab): DigestMismatchError: file 'weights/r00002-00000.safetensors'"],
+        "held": [
+            {"node": "A", "kind": "slot", "step": 5, "checkpoint_id": "sha256:cd", "files": 12, "bytes": 4096},
+            {"node": "A", "kind": "peer", "step": 5, "checkpoint_id": "sha256:cd", "files": 2, "bytes": 1024},
+        ],
+        "ranks": [{"tier": "memory"}, {"tier": "peer"}],
+    }
+    RunDirectory(str(run_dir)).record_restore(report)
+    out = run_cli("ls", str(run_dir)).stdout
+    assert "last restore: step 5 from memory+peer on 2 rank(s), 2.0 KiB between nodes" in out
+    assert "(agree 0.050 s, gather 0.050 s, read 0.050 s, apply 0.100 s)" in out
+    assert "passed over: memory step 6" in out and "step 5: node A peer, 2 file(s), 1.0 KiB" in out
+    doc = run_cli("ls", str(run_dir), "--json").json()
+    assert doc["last_restore"]["held"][1]["kind"] == "peer"
+    assert [e["name"] for e in doc["checkpoints"]].count("last-restore.json") == 0  # a record, not a checkpoint
+
+
 def test_a_checkpoint_is_not_a_run_directory(run_dir: Path) -> None:
     result = run_cli("ls", str(run_dir / "ckpt-a"), "--json")
     assert result.exit_code == 2 and result.json()["error"]["code"] == "usage"
