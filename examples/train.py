@@ -347,6 +347,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--lost-node", metavar="KEY", help="with --lose-node-at-step: only the ranks of this node die")
     p.add_argument("--pg-timeout", type=float, metavar="SECONDS", help="the process group's timeout (a hung peer)")
+    p.add_argument(
+        "--hang-at-step", type=int, metavar="N", help="after step N, rank --kill-rank stops (SIGSTOP): a hung peer"
+    )
     p.add_argument("--stop-at-step", type=int, metavar="N", help="end after step N (saved) as if the run were done")
     p.add_argument(
         "--replica-sync", action="store_true", help="wait for each replica before the next step (pins a test's steps)"
@@ -434,6 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             copied = replica.step if replica is not None else None
             print(f"rank {rank}: replica of step {copied} is in; node lost at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.hang_at_step and kill_here:
+            mgr.wait_replica()
+            print(f"rank {rank}: SIGSTOP at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step == args.kill_at_step and kill_here:
             mgr.wait_memory()  # this step's snapshot is in its slot; the durable one may be far behind
             print(f"rank {rank}: memory snapshot of step {step} is in; SIGKILL at {time.time():.3f}", flush=True)
