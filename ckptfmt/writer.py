@@ -333,6 +333,20 @@ class CheckpointWriter:
         self._executor.shutdown()
         return self.checkpoint_id
 
+    def release(self) -> tuple[FileRecord, ...]:
+        """Flush and stop without a manifest, keeping the files written (one rank, no collective): the lock is
+        removed, the files' records are returned. For files that another writer's manifest commits (a replica
+        written locally from the same state, spec/memory.md)."""
+        if self.collective is not None:
+            raise UsageError("release() is for a writer of one rank")
+        self.flush()
+        records = self.result().files
+        self._closed = True
+        self._executor.shutdown()
+        if self._committer is not None:
+            self._committer.abort([])  # the lock only
+        return records
+
     def abort(self) -> None:
         """Discard everything written; no manifest is left. Safe to call more than once.
 

@@ -13,14 +13,18 @@ so a slow partner costs a lagging replica, never a stalled step.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..collective import PeerChannel
-from ..errors import UnsafePathError
+from ..errors import CollectiveError, UnsafePathError
+from ..jsonio import load_json
+from ..manifest import FileRecord, checkpoint_id, parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..storage.slot import SlotStore
 from .holdings import PEER_PREFIX
@@ -31,6 +35,7 @@ from .wire import receive_files, send_files
 
 log = logging.getLogger("ckptfmt")
 ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags above
+_HAVE = ROUND_TAGS // 2  # a round's have-lists travel on its tag plus this: a thread never receives another's message
 
 
 def peer_dir(tier: MemoryTier, source: int, round_no: int) -> str:
@@ -66,19 +71,37 @@ class Replicator:
         self.bytes_received = 0
         self.last: RoundResult | None = None
         self.failures: list[str] = []
+        self.skipped_bytes = 0  # not sent: the partner held them already (data-parallel replicas)
 
     def busy(self) -> bool:
         """Whether this rank's part of the last round is still running."""
         current = self._round
         return current is not None and not (current[2].done() and all(f.done() for f in current[3]))
 
-    def start(self, round_no: int, *, step: int, slot_path: str, manifest_bytes: bytes, files: list[str]) -> None:
-        """Begin this rank's part of round ``round_no`` (every rank calls it for the same rounds, in order)."""
-        tag = 1 + round_no % (ROUND_TAGS - 1)
+    def start(
+        self,
+        round_no: int,
+        *,
+        step: int,
+        slot_path: str,
+        manifest_bytes: bytes,
+        files: list[str],
+        local: Mapping[int, Sequence[FileRecord]] | None = None,
+    ) -> None:
+        """Begin this rank's part of round ``round_no`` (every rank calls it for the same rounds, in order).
+
+        ``local``: for a source rank, files of its share this rank already wrote into that source's copy directory
+        from its own identical state (data-parallel replicas, :meth:`local_dir`); those whose size and digest are
+        the manifest's are not sent again."""
+        tag = 1 + round_no % (_HAVE - 1)
         if self._round is not None:
             self.wait()  # done already (every rank agreed it was), but not yet accounted
+        local = local or {}
         sending: Future[int] = self._pool.submit(self._send, tag, slot_path, manifest_bytes, files)
-        receiving = [self._pool.submit(self._receive, tag, src, round_no) for src in self.sources]
+        receiving = [
+            self._pool.submit(self._receive, tag, src, round_no, manifest_bytes, local.get(src, ()))
+            for src in self.sources
+        ]
         self._round = (round_no, step, sending, receiving)
         self.rounds += 1
 
@@ -93,31 +116,49 @@ class Replicator:
             committed = tuple(s for s, f in zip(self.sources, receiving, strict=True) if f.exception() is None)
             self.last = RoundResult(round_no=round_no, step=step, sent=sent, received=sum(got), committed=committed)
 
+    def local_dir(self, src: int, round_no: int) -> str:
+        """Where this rank writes, from its own state, the files of ``src``'s share that it holds identically."""
+        path = peer_dir(self.tier, src, round_no)
+        if private_dir_problem(path) == "absent":
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        problem = private_dir_problem(path)
+        if problem is not None:  # a sender's side then fails on its own (its group's timeout)
+            raise UnsafePathError(f"peer copy directory refused: {problem}", path=path)
+        return path
+
     def _send(self, tag: int, slot_path: str, manifest_bytes: bytes, files: list[str]) -> int:
+        """The partner first says which files it has already (written from its own identical state); the rest go."""
         if self.partner is None:
             return 0
         lower_thread_priority()
+        have = load_json(
+            self.channel.recv(src=self.partner, tag=tag + _HAVE), error=CollectiveError, what="a have-list"
+        )
+        held = {str(p) for p in have} if isinstance(have, list) else set()
+        self.skipped_bytes += sum(f.size for f in parse_manifest(manifest_bytes).files if f.path in held)
         return send_files(
             self.channel,
             dst=self.partner,
             tag=tag,
             source=SlotStore(slot_path),
             manifest_bytes=manifest_bytes,
-            paths=files,
+            paths=[p for p in files if p not in held],
         )
 
-    def _receive(self, tag: int, src: int, round_no: int) -> int:
-        """One source's files into ``peer-<src>-<k>``: un-committed first, manifest written last."""
-        path = peer_dir(self.tier, src, round_no)
-        if private_dir_problem(path) == "absent":
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        problem = private_dir_problem(path)
-        if problem is not None:  # the sender's side then fails on its own (its group's timeout)
-            raise UnsafePathError(f"peer copy directory refused: {problem}", path=path)
-        store = SlotStore(path)
+    def _receive(self, tag: int, src: int, round_no: int, manifest_bytes: bytes, local: Sequence[FileRecord]) -> int:
+        """One source's files into ``peer-<src>-<k>``: un-committed first, manifest written last. Files this rank
+        wrote there from its own state count only where the manifest lists the same size and digest."""
+        store = SlotStore(self.local_dir(src, round_no))
         store.delete(MANIFEST_NAME)  # un-commit before a byte changes (as MEM-5 for slots)
+        listed = {(f.path, f.size, f.digest) for f in parse_manifest(manifest_bytes).files}
+        have = sorted(f.path for f in local if (f.path, f.size, f.digest) in listed)
+        self.channel.send(json.dumps(have).encode("utf-8"), dst=src, tag=tag + _HAVE)
         received = receive_files(self.channel, src=src, tag=tag, destination=store)
-        keep = {f.path for f in received.files}
+        if received.checkpoint_id != checkpoint_id(manifest_bytes):  # our files were checked against another one
+            raise CollectiveError(
+                f"rank {src} sent checkpoint {received.checkpoint_id}, not this round's", path=MANIFEST_NAME
+            )
+        keep = {f.path for f in received.files} | set(have)
         for stale in store.list():
             if stale not in keep and stale not in (MANIFEST_NAME, LOCK_NAME):
                 store.delete(stale)

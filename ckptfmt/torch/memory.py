@@ -38,7 +38,7 @@ import torch
 
 from ..collective import Collective, PeerChannel, decode_status, encode_status
 from ..errors import CheckpointError, CheckpointExistsError, MemoryCapacityError, UsageError
-from ..manifest import MAX_MANIFEST_BYTES
+from ..manifest import MAX_MANIFEST_BYTES, FileRecord
 from ..run import RunDirectory
 from ..storage.slot import SlotStore
 from ..tier import MemoryTier, Slot, SlotBinding, Throttle, node_key, persist, run_identity
@@ -49,6 +49,7 @@ from ..tier.persist import Persisted, lower_thread_priority, persist_spread
 from ..tier.replica import Replicator
 from ..writer import CheckpointWriter
 from . import state
+from .sharding import LocalShard, owners, replicated_sizes
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
@@ -342,6 +343,7 @@ class MemorySnapshots:
             except BaseException:
                 writer.abort()
                 raise
+            local = self._write_local_replicas(snap)
         finally:
             self._copied.set()  # even on failure: never leave the trainer's optimizer blocked
         ckpt_id = writer.commit()
@@ -350,14 +352,52 @@ class MemorySnapshots:
         if self.rank == 0:
             with self._lock:
                 self._ring()[slot] = step
-        self._replicate(slot, step)
+        self._replicate(slot, step, local)
         if self.nodes.multi_node:
             if persist:
                 self._persist_spread(slot)
         elif self.rank == 0 and persist:
             self._submit_persist(slot)
 
-    def _replicate(self, slot: int, step: int) -> None:
+    def _write_local_replicas(self, snap: Snapshot) -> dict[int, tuple[FileRecord, ...]]:
+        """Data-parallel replicas are not copied again (spec/memory.md, replicas): a model without DTensors is whole on
+        every rank, so the share of each rank that replicates to this one is written here from this rank's own state,
+        into that rank's copy directory, while the step is still held; the round then sends only what differs from
+        the manifest. Nothing here can fail the snapshot: a file not written is sent."""
+        if self.replicator is None or not self.replicator.sources:
+            return {}
+        if any(isinstance(v, LocalShard) for named in snap.tensors.values() for v in named.values()):
+            return {}  # sharded state: each rank holds its own, and other ranks' shares are not here
+        assigned = owners(replicated_sizes(snap.tensors), self.world_size)
+        out: dict[int, tuple[FileRecord, ...]] = {}
+        for src in self.replicator.sources:
+            mine = [
+                (f, n, v)
+                for f, named in snap.tensors.items()
+                for n, v in named.items()
+                if assigned.get(f"{f}/{n}") == src
+            ]
+            if not mine:
+                continue
+            try:
+                store = SlotStore(self.replicator.local_dir(src, self._replica_rounds))
+                writer = CheckpointWriter(store, profile="training", overwrite=True, rank=src)
+            except CheckpointError as exc:
+                log.warning("local replica of rank %d not written: %s", src, exc)
+                continue
+            try:
+                for name in snap.tensors:  # the fields in the order the source declares them (file names follow)
+                    writer.write_tensors(name, {})
+                    for field_name, tname, value in mine:
+                        if field_name == name:
+                            writer.write_tensor(name, tname, value)
+                out[src] = writer.release()
+            except CheckpointError as exc:
+                writer.abort()
+                log.warning("local replica of rank %d not written: %s", src, exc)
+        return out
+
+    def _replicate(self, slot: int, step: int, local: dict[int, tuple[FileRecord, ...]]) -> None:
         """Start a replica round for the snapshot just committed, when every rank's previous round is done (all
         ranks decide together: a partner still busy makes every rank skip this one, never wait)."""
         if self.replicator is None or self.collective is None:
@@ -371,7 +411,7 @@ class MemorySnapshots:
         path = self.tier.slot_path(slot)
         manifest = SlotStore(path).read("manifest.json", max_size=MAX_MANIFEST_BYTES)
         self.replicator.start(
-            self._replica_rounds, step=step, slot_path=path, manifest_bytes=manifest, files=self._files
+            self._replica_rounds, step=step, slot_path=path, manifest_bytes=manifest, files=self._files, local=local
         )
         self._replica_rounds += 1
 

@@ -1,0 +1,81 @@
+"""Data-parallel replicas are not copied again (spec/memory.md, replicas): in a DDP job every rank holds the whole
+model, so a rank writes its partner's share into its copy directory from its own state and only what differs from
+the manifest crosses the network; a local copy that differs (diverged replicas) is replaced by the real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptfmt.manifest import parse_manifest
+from ckptfmt.reader import Checkpoint
+from ckptfmt.storage.overlay import OverlayStore
+from ckptfmt.storage.slot import SlotStore
+from ckptfmt.tier.binding import SlotBinding
+from ckptfmt.tier.holdings import complete, node_holdings
+from ckptfmt.tier.ring import MemoryTier
+from tests.concurrent_runs import Jobs
+
+pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
+
+WORKER = Path(__file__).resolve().parent / "ddp_replica_worker.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def job(tmp: Path, *flags: str) -> dict[str, Any]:
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(WORKER), str(tmp / "run"), str(tmp / "shm")]
+    proc = subprocess.run(
+        [*cmd, str(tmp / "out"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {"tmp": tmp, "ranks": [json.loads((tmp / f"out.rank{r}.json").read_text()) for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    base = tmp_path_factory.mktemp("ddp-replicas")
+    jobs = Jobs(workers=2)
+    jobs.add("same", lambda: job(base / "same"))
+    jobs.add("diverged", lambda: job(base / "diverged", "--diverge"))
+    return jobs.run()
+
+
+def node_alone(tmp: Path, node: str) -> Checkpoint:
+    """The newest checkpoint as node ``node`` alone holds it (its slot and its copies), verified whole."""
+    tier = MemoryTier(tmp / "shm" / node, str(tmp / "run"))
+    slot = next(tier.root.glob("slot-*"))  # the job's run id (torchrun's, random under --standalone)
+    run_id = SlotBinding.from_metadata(parse_manifest((slot / "manifest.json").read_bytes()).metadata).run_id
+    held, manifests = node_holdings(tier, node=node, run_id=run_id, run_dir=str(tmp / "run"), slot_count=2)
+    (step, cid), *_ = complete(held, manifests)
+    assert step == 3
+    layers = [(h.kind, SlotStore(h.path)) for h in held if h.checkpoint_id == cid]
+    return Checkpoint(OverlayStore(layers), parse_manifest(manifests[cid]), manifests[cid])
+
+
+def test_only_what_the_partner_lacks_crosses_the_network(runs: Jobs) -> None:
+    rank0, rank1 = runs["same"]["ranks"]
+    assert rank0["failures"] == rank1["failures"] == []
+    assert rank1["sent"] == 0 and rank1["skipped"] > 0  # rank 1's share: all weights and optimizer state, rebuilt on A
+    assert 0 < rank0["sent"] < rank0["skipped"]  # rank 0 sent its context blobs only
+    for node in "AB":
+        assert node_alone(runs["same"]["tmp"], node).verify().ok  # either node alone holds the whole checkpoint
+
+
+def test_a_diverged_replica_is_not_trusted_the_real_files_are_sent(runs: Jobs) -> None:
+    same, diverged = runs["same"]["ranks"], runs["diverged"]["ranks"]
+    # rank 1's weights differ from rank 0's at step 3: what each rebuilt of the other's share fails the manifest's
+    # digests where that tensor lies, and those files are sent instead
+    assert diverged[0]["sent"] + diverged[1]["sent"] > same[0]["sent"] + same[1]["sent"]
+    for node in "AB":
+        assert node_alone(runs["diverged"]["tmp"], node).verify().ok
