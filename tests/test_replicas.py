@@ -380,3 +380,72 @@ def test_a_rank_failing_before_the_merge_commits_nothing_in_any_store_and_leaves
         left = SlotStore(root).list() if root.exists() else {}
         assert "manifest.json" not in left and ".writer-lock" not in left, left
         assert not any(p.endswith(".safetensors") for p in left), left
+
+
+def test_a_slow_partner_makes_every_rank_skip_a_replica_never_stall_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks on two nodes (threads); rank 1 receives slowly. The snapshots keep their pace: a round still
+    running when the next snapshot commits is skipped by both ranks alike, and the copies that are made are whole."""
+    import time
+
+    import torch
+
+    import ckptfmt.torch.memory as memory
+    from ckptfmt.run import RunDirectory
+    from ckptfmt.torch import ResumableSampler, api
+
+    here = threading.local()
+    monkeypatch.setattr(memory, "node_key", lambda: here.node)
+    group = ThreadCollective.group(2, timeout=30)
+
+    class Slow:
+        def __init__(self, inner: ThreadCollective) -> None:
+            self.inner = inner
+            self.rank = inner.rank
+
+        def send(self, data: bytes, *, dst: int, tag: int) -> None:
+            self.inner.send(data, dst=dst, tag=tag)
+
+        def recv(self, *, src: int, tag: int) -> bytes:
+            time.sleep(0.1 if self.rank == 1 else 0.0)  # a round takes over a second
+            return self.inner.recv(src=src, tag=tag)
+
+    def rank_main(rank: int) -> Any:
+        here.node = "AB"[rank]
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = ResumableSampler(64, seed=1, rank=rank, world_size=2)
+        tier = memory.MemorySnapshots(
+            RunDirectory(str(tmp_path / "run")),
+            memory_dir=tmp_path / "shm" / "AB"[rank],
+            slots=2,
+            collective=group[rank],
+            replicate=True,
+            channel=Slow(group[rank]),
+        )
+        waited = []
+        for step in range(1, 7):
+            model(torch.ones(2, 64)).sum().backward()
+            opt.step()
+            sampler.advance(2)
+            snap = api.capture(step=step, model=model, optimizer=opt, config={"a": 1}, sampler=sampler, defer=True)
+            started = time.perf_counter()
+            tier.snapshot(snap, opt, persist=False)
+            tier.wait_snapshot()
+            waited.append(time.perf_counter() - started)
+        tier.wait_replica()
+        assert tier.replicator is not None
+        result = (tier.replicator.rounds, tier.replicator.dropped, max(waited), tier.replicator.failures)
+        tier.close(persist=False)
+        return result
+
+    results = threads(2, rank_main)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    (rounds0, dropped0, waited0, failures0), (rounds1, dropped1, waited1, failures1) = results
+    assert rounds0 == rounds1 and dropped0 == dropped1 >= 1, results  # both ranks skipped the same snapshots
+    assert rounds0 + dropped0 == 6 and failures0 == failures1 == []
+    assert max(waited0, waited1) < 0.5, results  # no snapshot waited for the slow copy
+    copies = sorted((tmp_path / "shm" / "A").glob("run-*/peer-00001-*/manifest.json"))
+    assert copies, "no copy of rank 1's files was committed on node A"
