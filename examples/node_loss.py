@@ -88,26 +88,37 @@ def wait_for(path_glob: str, work: Path, pattern: str, timeout: float = 240.0) -
 
 
 def kill_node(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL every process of the node's session (its agent and workers, whatever process groups they made)."""
-    session = proc.pid  # the agent leads a session of its own (start_new_session)
-    for _ in range(50):
-        alive = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.getsid(int(entry.name)) == session:
-                        alive.append(int(entry.name))
-                except OSError:
-                    continue
-        if not alive:
-            break
-        for pid in alive:
+    """SIGKILL the node's agent and every process it started (torchrun starts each worker in a session of its own:
+    the agent's process group does not reach them), then wait until none is left."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
             try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.1)
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, grew = {proc.pid}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(pid) for pid in tree - {proc.pid}):
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def finish(proc: subprocess.Popen[str], what: str, timeout: float = 300.0) -> None:

@@ -22,6 +22,28 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT = 6.0
 
 
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and every descendant (torchrun starts each worker in a session of its own, so neither
+    its process group nor its session reaches them; the stopped one ignores torchrun's SIGTERM)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def test_a_hung_peer_fails_the_survivor_within_the_configured_timeout(tmp_path: Path) -> None:
     cmd = [str(TORCHRUN), "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"]
     cmd += ["--monitor-interval=0.2", str(TRAIN), "--run-dir", str(tmp_path / "run"), "--steps", "12"]
@@ -48,7 +70,7 @@ def test_a_hung_peer_fails_the_survivor_within_the_configured_timeout(tmp_path: 
         assert failed - stopped < TIMEOUT + 10, (failed - stopped, log.read_text()[-4000:])
         print(f"[peer-hang] SIGSTOP to the survivor's exit: {failed - stopped:.1f} s (timeout {TIMEOUT:g} s)")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the stopped worker ignores torchrun's SIGTERM
+        kill_tree(proc.pid)
         proc.wait()
     text = log.read_text()
     assert re.search(r"\[rank0\]: RuntimeError: .*Timed out waiting 6000ms", text), text[-4000:]

@@ -408,7 +408,7 @@ def test_a_slow_partner_makes_every_rank_skip_a_replica_never_stall_a_step(
             self.inner.send(data, dst=dst, tag=tag)
 
         def recv(self, *, src: int, tag: int) -> bytes:
-            time.sleep(0.1 if self.rank == 1 else 0.0)  # a round takes over a second
+            time.sleep(0.05 if self.rank == 1 else 0.0)  # a round outlasts a snapshot or two
             return self.inner.recv(src=src, tag=tag)
 
     def rank_main(rank: int) -> Any:
@@ -437,15 +437,16 @@ def test_a_slow_partner_makes_every_rank_skip_a_replica_never_stall_a_step(
             waited.append(time.perf_counter() - started)
         tier.wait_replica()
         assert tier.replicator is not None
-        result = (tier.replicator.rounds, tier.replicator.dropped, max(waited), tier.replicator.failures)
+        result = (tier.replicator.rounds, tier.replicator.skipped, max(waited), tier.replicator.failures)
         tier.close(persist=False)
         return result
 
     results = threads(2, rank_main)
     assert not any(isinstance(r, BaseException) for r in results), results
-    (rounds0, dropped0, waited0, failures0), (rounds1, dropped1, waited1, failures1) = results
-    assert rounds0 == rounds1 and dropped0 == dropped1 >= 1, results  # both ranks skipped the same snapshots
-    assert rounds0 + dropped0 == 6 and failures0 == failures1 == []
+    (rounds0, skipped0, waited0, failures0), (rounds1, skipped1, waited1, failures1) = results
+    assert rounds0 == rounds1 and skipped0 == skipped1 >= 1, results  # both ranks skipped the same snapshots
+    # a round whose slot a newer snapshot rewrote is dropped (not a failure): an older copy stays
+    assert rounds0 + skipped0 == 6 and failures0 == failures1 == [], results
     assert max(waited0, waited1) < 0.5, results  # no snapshot waited for the slow copy
     copies = sorted((tmp_path / "shm" / "A").glob("run-*/peer-00001-*/manifest.json"))
     assert copies, "no copy of rank 1's files was committed on node A"

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..collective import PeerChannel
-from ..errors import CollectiveError, UnsafePathError
+from ..errors import CheckpointError, CollectiveError, UnsafePathError
 from ..jsonio import load_json
 from ..manifest import FileRecord, checkpoint_id, parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
@@ -36,6 +36,15 @@ from .wire import receive_files, send_files
 log = logging.getLogger("ckptfmt")
 ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags above
 _HAVE = ROUND_TAGS // 2  # a round's have-lists travel on its tag plus this: a thread never receives another's message
+
+
+class ReplicaDropped(CollectiveError):
+    """A replica round gave up because its snapshot's slot was rewritten by a newer snapshot (the partner lags)."""
+
+    code = "replica_dropped"
+
+
+DROPPED = "replica dropped"  # how a receiver learns it from the sender's abort message
 
 
 def peer_dir(tier: MemoryTier, source: int, round_no: int) -> str:
@@ -66,7 +75,8 @@ class Replicator:
         self._round: tuple[int, int, Future[int], list[Future[int]]] | None = None
         self._lock = threading.Lock()
         self.rounds = 0
-        self.dropped = 0
+        self.skipped = 0  # snapshots not replicated: the previous round was still running (every rank alike)
+        self.dropped = 0  # rounds given up: their slot was rewritten before the copy was done
         self.bytes_sent = 0
         self.bytes_received = 0
         self.last: RoundResult | None = None
@@ -114,6 +124,8 @@ class Replicator:
             self.bytes_sent += sent
             self.bytes_received += sum(got)
             committed = tuple(s for s, f in zip(self.sources, receiving, strict=True) if f.exception() is None)
+            if any(_dropped(f) for f in (sending, *receiving)):
+                self.dropped += 1
             self.last = RoundResult(round_no=round_no, step=step, sent=sent, received=sum(got), committed=committed)
 
     def local_dir(self, src: int, round_no: int) -> str:
@@ -136,14 +148,32 @@ class Replicator:
         )
         held = {str(p) for p in have} if isinstance(have, list) else set()
         self.skipped_bytes += sum(f.size for f in parse_manifest(manifest_bytes).files if f.path in held)
-        return send_files(
+        source = SlotStore(slot_path)
+
+        def rewritten() -> ReplicaDropped | None:
+            """Why the slot can no longer be sent: a newer snapshot un-committed it to rewrite it."""
+            try:
+                same = source.read(MANIFEST_NAME, max_size=len(manifest_bytes) + 1) == manifest_bytes
+            except CheckpointError:
+                same = False
+            return None if same else ReplicaDropped(f"{DROPPED}: its slot was rewritten by a newer snapshot")
+
+        sent = send_files(
             self.channel,
             dst=self.partner,
             tag=tag,
-            source=SlotStore(slot_path),
+            source=source,
             manifest_bytes=manifest_bytes,
             paths=[p for p in files if p not in held],
+            still_valid=rewritten,
         )
+        # The partner's word that the copy is committed: a send returns once gloo has the bytes, not once they are
+        # in the partner's memory (a node killed right after its send could leave the copy cut off).
+        ack = load_json(self.channel.recv(src=self.partner, tag=tag + _HAVE), error=CollectiveError, what="an ack")
+        if not isinstance(ack, dict) or ack.get("ok") is not True:
+            why = ack.get("error") if isinstance(ack, dict) else None
+            raise rewritten() or CollectiveError(f"rank {self.partner} did not commit the copy: {why}")
+        return sent
 
     def _receive(self, tag: int, src: int, round_no: int, manifest_bytes: bytes, local: Sequence[FileRecord]) -> int:
         """One source's files into ``peer-<src>-<k>``: un-committed first, manifest written last. Files this rank
@@ -153,17 +183,30 @@ class Replicator:
         listed = {(f.path, f.size, f.digest) for f in parse_manifest(manifest_bytes).files}
         have = sorted(f.path for f in local if (f.path, f.size, f.digest) in listed)
         self.channel.send(json.dumps(have).encode("utf-8"), dst=src, tag=tag + _HAVE)
-        received = receive_files(self.channel, src=src, tag=tag, destination=store)
-        if received.checkpoint_id != checkpoint_id(manifest_bytes):  # our files were checked against another one
-            raise CollectiveError(
-                f"rank {src} sent checkpoint {received.checkpoint_id}, not this round's", path=MANIFEST_NAME
-            )
-        keep = {f.path for f in received.files} | set(have)
-        for stale in store.list():
-            if stale not in keep and stale not in (MANIFEST_NAME, LOCK_NAME):
-                store.delete(stale)
-        store.put_exclusive(MANIFEST_NAME, received.manifest_bytes)
+        try:
+            received = receive_files(self.channel, src=src, tag=tag, destination=store)
+            if received.checkpoint_id != checkpoint_id(manifest_bytes):  # our files were checked against another
+                raise CollectiveError(
+                    f"rank {src} sent checkpoint {received.checkpoint_id}, not this round's", path=MANIFEST_NAME
+                )
+            keep = {f.path for f in received.files} | set(have)
+            for stale in store.list():
+                if stale not in keep and stale not in (MANIFEST_NAME, LOCK_NAME):
+                    store.delete(stale)
+            store.put_exclusive(MANIFEST_NAME, received.manifest_bytes)
+        except CheckpointError as exc:
+            self._ack(src, tag, str(exc))
+            raise
+        self._ack(src, tag, None)
         return received.nbytes
+
+    def _ack(self, src: int, tag: int, error: str | None) -> None:
+        """Tell the sender whether its copy is committed here (its round ends on it)."""
+        doc = {"ok": True} if error is None else {"ok": False, "error": error[:2000]}
+        try:
+            self.channel.send(json.dumps(doc).encode("utf-8"), dst=src, tag=tag + _HAVE)
+        except CheckpointError as exc:  # the sender is gone: its side fails on its own
+            log.warning("replica of rank %d: the sender could not be told: %s", src, exc)
 
     def wait(self) -> RoundResult | None:
         """Block until this rank's part of the last round is done; failures are logged, never raised (a
@@ -184,10 +227,18 @@ class Replicator:
         self._pool.shutdown()
 
 
+def _dropped(future: Future[int]) -> bool:
+    exc = future.exception()
+    return exc is not None and (isinstance(exc, ReplicaDropped) or DROPPED in str(exc))
+
+
 def _value(future: Future[int], failures: list[str], what: str) -> int:
     exc = future.exception()
     if exc is None:
         return future.result()
+    if isinstance(exc, ReplicaDropped) or DROPPED in str(exc):
+        log.info("replica %s: %s", what, exc)  # the partner lags: an older copy stays, the next round catches up
+        return 0
     message = f"{what} failed: {type(exc).__name__}: {exc}"
     failures.append(message)
     log.warning("replica %s", message)

@@ -54,9 +54,12 @@ def send_files(
     manifest_bytes: bytes,
     paths: Sequence[str],
     throttle: Callable[[float], None] | None = None,
+    still_valid: Callable[[], CheckpointError | None] | None = None,
 ) -> int:
     """Send ``paths`` of the checkpoint at ``source`` to ``dst``; returns the bytes sent. A file that cannot be read
-    aborts the transfer (the receiver is told, and publishes nothing more); the error is raised here."""
+    aborts the transfer (the receiver is told, and publishes nothing more); the error is raised here.
+    ``still_valid``, asked before each file, returns why the source may no longer be read (it is being
+    rewritten), which aborts the transfer the same way."""
     import time
 
     manifest = parse_manifest(manifest_bytes)
@@ -67,6 +70,10 @@ def send_files(
     sent = 0
     buffer = bytearray(PIECE_BYTES)
     for path in paths:
+        gone = still_valid() if still_valid is not None else None
+        if gone is not None:
+            channel.send(_PIECE_HEAD.pack(_ABORT, 0) + str(gone).encode("utf-8")[:4096], dst=dst, tag=tag)
+            raise gone
         size = records[path].size
         position = 0
         while position < size or (size == 0 and position == 0):

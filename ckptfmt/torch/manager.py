@@ -568,7 +568,7 @@ class CheckpointManager:
             log.info(
                 "restored step %s from %s (%s) in %.3f s, %d bytes read",
                 self._step,
-                candidate.tier,
+                tier,
                 ckpt_url,
                 self.last_restore.seconds,
                 bytes_read,

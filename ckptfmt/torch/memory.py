@@ -405,7 +405,7 @@ class MemorySnapshots:
         busy = self.collective.gather(b"1" if self.replicator.busy() else b"0", dst=0)
         decision = (b"skip" if b"1" in busy else b"go") if busy is not None else None
         if self.collective.broadcast(decision, src=0) != b"go":
-            self.replicator.dropped += 1
+            self.replicator.skipped += 1
             log.info("replica of step %d skipped: the previous one is still being copied", step)
             return
         path = self.tier.slot_path(slot)
