@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -104,6 +105,7 @@ class AgreedRestore:
         """The complete checkpoints in the live nodes' memory, newest step first (a collective call)."""
         mine: dict[str, object] = {"holdings": [], "manifests": {}}
         if self.nodes.leader(self.node) == self.rank:
+            self.clean_up()  # files fetched by an earlier restore that died: nobody reads them now
             holdings, manifests = node_holdings(
                 self.tier, node=self.node, run_id=self.run_id, run_dir=self.run_dir, slot_count=self.tier.slot_count
             )
@@ -197,6 +199,20 @@ class AgreedRestore:
             if private_dir_problem(fetch_dir) == "absent":
                 os.makedirs(fetch_dir, mode=0o700, exist_ok=True)
             receive_files(self.channel, src=transfer.src, tag=tag, destination=SlotStore(fetch_dir))
+
+    def clean_up(self) -> None:
+        """Delete the files fetched from other nodes (this node's leader, once every rank has read them: after the
+        vote that follows the read). They have no manifest, so no restore would take them as a holding."""
+        if self.nodes.leader(self.node) != self.rank:
+            return
+        try:
+            names = [n for n in os.listdir(self.tier.root) if n.startswith(FETCH_PREFIX)]
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(self.tier.root, name)
+            if private_dir_problem(path) is None:  # never through a link planted there
+                shutil.rmtree(path, ignore_errors=True)
 
     def agree(self, error: CheckpointError | None) -> None:
         """Raise on every rank the first rank's failure, if any rank failed (a collective call)."""

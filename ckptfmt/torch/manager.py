@@ -505,7 +505,10 @@ class CheckpointManager:
                     ", ".join(missing),
                     profile,
                 )
-            if not self._agree(snap is not None and not missing):
+            agreed = self._agree(snap is not None and not missing)
+            if fetched is not None and self._agreed is not None:
+                self._agreed.clean_up()  # every rank has read what was fetched (or passed over it)
+            if not agreed:
                 if snap is not None and not missing:
                     log.warning("skipping %s: another rank cannot use it", entry_name)
                     skipped.append(f"{entry_name}: another rank cannot use it")
