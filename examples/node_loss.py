@@ -87,9 +87,9 @@ def wait_for(path_glob: str, work: Path, pattern: str, timeout: float = 240.0) -
     raise TimeoutError(f"no {pattern!r} in {path_glob} after {timeout:g} s")
 
 
-def kill_node(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the node's agent and every process it started (torchrun starts each worker in a session of its own:
-    the agent's process group does not reach them), then wait until none is left."""
+def kill_tree(root: int) -> set[int]:
+    """SIGKILL a process and every descendant (torchrun starts each worker in a session of its own: neither its
+    process group nor its session reaches them; a stopped worker ignores torchrun's SIGTERM). Returns them."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -97,7 +97,7 @@ def kill_node(proc: subprocess.Popen[str]) -> None:
                 parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
-    tree, grew = {proc.pid}, True
+    tree, grew = {root}, True
     while grew:
         more = {pid for pid, parent in parents.items() if parent in tree} - tree
         tree |= more
@@ -107,6 +107,12 @@ def kill_node(proc: subprocess.Popen[str]) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    return tree
+
+
+def kill_node(proc: subprocess.Popen[str]) -> None:
+    """The node's agent and every process it started, killed; returns once none of them runs."""
+    tree = kill_tree(proc.pid)
     proc.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_running(pid) for pid in tree - {proc.pid}):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,31 +16,22 @@ import pytest
 
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
-TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-TIMEOUT = 6.0
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TRAIN = EXAMPLES / "train.py"
 
 
 def kill_tree(root: int) -> None:
-    """SIGKILL a process and every descendant (torchrun starts each worker in a session of its own, so neither
-    its process group nor its session reaches them; the stopped one ignores torchrun's SIGTERM)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, grew = {root}, True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in tree} - tree
-        tree |= more
-        grew = bool(more)
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    """torchrun and every worker it started (examples/node_loss.py's)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import node_loss
+    finally:
+        sys.path.pop(0)
+    node_loss.kill_tree(root)
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+TIMEOUT = 6.0
 
 
 def test_a_hung_peer_fails_the_survivor_within_the_configured_timeout(tmp_path: Path) -> None:

@@ -312,17 +312,22 @@ def persist_spread(
     verdict = decode_status(
         collective.broadcast(encode_status(error, status=status) if collective.rank == 0 else None, src=0)
     )
-    outcome = verdict.get("status")
-    if outcome == "already durable" or outcome == "conflict":
+
+    def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
         return Persisted(
             source=src.url,
             destination=dst.url,
             name=name,
             step=step,
             checkpoint_id=ckpt_id,
-            status=outcome,
+            status=status,
+            bytes=nbytes,
             seconds=time.perf_counter() - started,
         )
+
+    found = verdict.get("status")
+    if found == "already durable" or found == "conflict":
+        return outcome(found)
     records = {f.path: f for f in manifest.files}
     written: list[str] = []
     mine: CheckpointError | None = None
@@ -359,13 +364,4 @@ def persist_spread(
             committer.abort(every)
         result = encode_status(failure)
     decode_status(collective.broadcast(result, src=0))
-    return Persisted(
-        source=src.url,
-        destination=dst.url,
-        name=name,
-        step=step,
-        checkpoint_id=ckpt_id,
-        status="persisted",
-        bytes=sum(f.size for f in manifest.files),
-        seconds=time.perf_counter() - started,
-    )
+    return outcome("persisted", sum(f.size for f in manifest.files))
