@@ -351,6 +351,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--hang-at-step", type=int, metavar="N", help="after step N, rank --kill-rank stops (SIGSTOP): a hung peer"
     )
     p.add_argument("--stop-at-step", type=int, metavar="N", help="end after step N (saved) as if the run were done")
+    p.add_argument("--report-out", metavar="PREFIX", help="write each rank's restore report to PREFIX.rank<R>.json")
     p.add_argument(
         "--replica-sync", action="store_true", help="wait for each replica before the next step (pins a test's steps)"
     )
@@ -400,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if mgr.last_restore is not None:
         say(f"restore report: {json.dumps(mgr.last_restore.to_dict())}")
+        if args.report_out:
+            Path(f"{args.report_out}.rank{rank}.json").write_text(json.dumps(mgr.last_restore.to_dict()))
     batches = trainer.batches()
     saved_at = step
     first_step = True

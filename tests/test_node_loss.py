@@ -69,24 +69,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def damaged(_: str) -> str:
         """Node B's files of step 5 bad in the only copy left (and step 4's too): every survivor passes over the
         memory step, alike, and restores the durable save of step 5. Read-only: it stops before training."""
-        flipped = [shm / "A" / "*" / "peer-00002-0", shm / "A" / "*" / "peer-00003-1"]
-        originals = {}
-        for pattern in flipped:
-            (where,) = list(shm.glob(str(pattern.relative_to(shm))))
+        # on a copy of node A's memory (slots are found by run directory, not by where the memory directory is),
+        # so that the survivors' run goes on beside it
+        copy = tmp / "shm-damaged"
+        shutil.copytree(shm / "A", copy / "A")
+        for pattern in ("peer-00002-0", "peer-00003-1"):
+            (where,) = list(copy.glob(f"A/run-*/{pattern}"))
             target = next(where.glob("optimizer/r0000*-00000.safetensors"))
-            originals[target] = target.read_bytes()
-            target.write_bytes(originals[target][:-9] + bytes([originals[target][-9] ^ 4]) + originals[target][-8:])
-        out = torchrun(tmp, "mem2", 2, *mem, "--node-of-rank", "A,A", "--stop-at-step", "1")
-        for target, data in originals.items():
-            target.write_bytes(data)
-        return out
+            data = target.read_bytes()
+            target.write_bytes(data[:-9] + bytes([data[-9] ^ 4]) + data[-8:])
+        damaged_mem = [
+            *mem[: mem.index("--memory-dir")],
+            "--memory-dir",
+            str(copy),
+            *mem[mem.index("--memory-dir") + 2 :],
+        ]
+        return torchrun(tmp, "mem2", 2, *damaged_mem, "--node-of-rank", "A,A", "--stop-at-step", "1")
 
     def survivors(_: str) -> str:
-        out = torchrun(tmp, "mem2", 2, *mem, "--node-of-rank", "A,A", "--stop-at-step", str(BACK_AT))
-        shutil.copy(tmp / "run" / "last-restore.json", tmp / "survivors-restore.json")  # the next restore replaces it
-        return out
+        survivors = ["--node-of-rank", "A,A", "--stop-at-step", str(BACK_AT), "--report-out", str(tmp / "survivors")]
+        return torchrun(tmp, "mem2", 2, *mem, *survivors)
 
-    def back(_: str) -> str:
+    def back(*_: str) -> str:
         # node B returns ahead of A in rank order: shards are found by what they are, not by who held them
         return torchrun(tmp, "mem3", 4, *mem, "--node-of-rank", "B,B,A,A")
 
@@ -97,12 +101,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         shutil.copytree(tmp / "run" / name, tmp / "ref" / name)
         return torchrun(tmp, "ref2", 2, *ref, "--stop-at-step", str(BACK_AT))
 
-    jobs = Jobs(workers=2)
+    jobs = Jobs(workers=3)  # most of a launch is single-threaded start-up: three side by side on two cores
     jobs.add("lost", lost)
+    jobs.add("survivors", survivors, "lost")
     jobs.add("damaged", damaged, "lost")
     jobs.add("ref2", reference, "lost")
-    jobs.add("survivors", survivors, "damaged")
-    jobs.add("back", back, "survivors")
+    jobs.add("back", back, "survivors", "damaged")  # the damaged run writes last-restore.json too: not meanwhile
     jobs.add("ref3", lambda _: torchrun(tmp, "ref3", 4, *ref), "ref2")
     jobs.run()
     return {"tmp": tmp, **{name: jobs[name] for name in ("lost", "damaged", "survivors", "back", "ref3")}}
@@ -119,7 +123,7 @@ def test_the_survivors_restore_the_last_replicated_step_from_memory(runs: dict[s
     assert replicated == {LOST_AT}, runs["lost"][-3000:]
     got = report(runs["survivors"])
     assert got["step"] == LOST_AT and got["skipped"] == [], got  # 0 replicated steps lost
-    ranks = json.loads((runs["tmp"] / "survivors-restore.json").read_text())["ranks"]
+    ranks = [json.loads((runs["tmp"] / f"survivors.rank{r}.json").read_text()) for r in range(2)]
     # FSDP 4 -> 2: rank 1 holds what saved ranks 2 and 3 (node B) held; it reads them from the copies on A
     assert ranks[1]["tier"] == "peer", ranks[1]
     assert ranks[1]["sources"]["weights/r00002-00000.safetensors"] == "peer-copy", ranks[1]
