@@ -1,6 +1,7 @@
 """Data-parallel replicas are not copied again (spec/memory.md, replicas): in a DDP job every rank holds the whole
-model, so a rank writes its partner's share into its copy directory from its own state and only what differs from
-the manifest crosses the network; a local copy that differs (diverged replicas) is replaced by the real files."""
+model, and in HSDP a rank's partner on the other node holds the same shards, so a rank writes its partner's share
+into its copy directory from its own state and only what differs from the manifest crosses the network; a local
+copy that differs (diverged replicas) is replaced by the real files."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ WORKER = Path(__file__).resolve().parent / "ddp_replica_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def job(tmp: Path, *flags: str) -> dict[str, Any]:
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(WORKER), str(tmp / "run"), str(tmp / "shm")]
+def job(tmp: Path, *flags: str, ranks: int = 2) -> dict[str, Any]:
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(tmp / "run"), str(tmp / "shm")]
     proc = subprocess.run(
         [*cmd, str(tmp / "out"), *flags],
         capture_output=True,
@@ -39,7 +40,7 @@ def job(tmp: Path, *flags: str) -> dict[str, Any]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return {"tmp": tmp, "ranks": [json.loads((tmp / f"out.rank{r}.json").read_text()) for r in range(2)]}
+    return {"tmp": tmp, "ranks": [json.loads((tmp / f"out.rank{r}.json").read_text()) for r in range(ranks)]}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     jobs = Jobs(workers=2)
     jobs.add("same", lambda: job(base / "same"))
     jobs.add("diverged", lambda: job(base / "diverged", "--diverge"))
+    jobs.add("hsdp", lambda: job(base / "hsdp", "--hsdp", ranks=4))
     return jobs.run()
 
 
@@ -79,3 +81,14 @@ def test_a_diverged_replica_is_not_trusted_the_real_files_are_sent(runs: Jobs) -
     assert diverged[0]["sent"] + diverged[1]["sent"] > same[0]["sent"] + same[1]["sent"]
     for node in "AB":
         assert node_alone(runs["diverged"]["tmp"], node).verify().ok
+
+
+def test_hsdp_replicas_across_nodes_are_not_copied_again(runs: Jobs) -> None:
+    """FSDP2 on a (replicate=2, shard=2) mesh, the replicate dimension across the nodes: each rank's partner is its
+    replica, so every rank rebuilds its partner's shards and only rank 0's context blobs cross."""
+    ranks = runs["hsdp"]["ranks"]
+    assert all(r["failures"] == [] for r in ranks), ranks
+    assert all(r["skipped"] > 0 for r in ranks), ranks
+    assert [r["sent"] for r in ranks[1:]] == [0, 0, 0] and ranks[0]["sent"] < ranks[0]["skipped"], ranks
+    for node in "AB":
+        assert node_alone(runs["hsdp"]["tmp"], node).verify().ok

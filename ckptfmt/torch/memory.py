@@ -360,22 +360,24 @@ class MemorySnapshots:
             self._submit_persist(slot)
 
     def _write_local_replicas(self, snap: Snapshot) -> dict[int, tuple[FileRecord, ...]]:
-        """Data-parallel replicas are not copied again (spec/memory.md, replicas): a model without DTensors is whole on
-        every rank, so the share of each rank that replicates to this one is written here from this rank's own state,
-        into that rank's copy directory, while the step is still held; the round then sends only what differs from
-        the manifest. Nothing here can fail the snapshot: a file not written is sent."""
+        """Data-parallel replicas are not copied again (spec/memory.md, replicas): when a rank that replicates to this
+        one holds the same state (DDP: everything; HSDP or ``Replicate()`` placements: the same piece of every
+        sharded tensor), its share is written here from this rank's own state, into its copy directory, while the
+        step is still held; the round then sends only what differs from the manifest. Nothing here can fail the
+        snapshot: a file not written is sent."""
         if self.replicator is None or not self.replicator.sources:
             return {}
-        if any(isinstance(v, LocalShard) for named in snap.tensors.values() for v in named.values()):
-            return {}  # sharded state: each rank holds its own, and other ranks' shares are not here
         assigned = owners(replicated_sizes(snap.tensors), self.world_size)
+        shards = [v for named in snap.tensors.values() for v in named.values() if isinstance(v, LocalShard)]
         out: dict[int, tuple[FileRecord, ...]] = {}
         for src in self.replicator.sources:
+            if any(src not in v.holders for v in shards):
+                continue  # the source holds other pieces than this rank (sharded, not replicated, between the two)
             mine = [
                 (f, n, v)
                 for f, named in snap.tensors.items()
                 for n, v in named.items()
-                if assigned.get(f"{f}/{n}") == src
+                if (v.writer_rank == src if isinstance(v, LocalShard) else assigned.get(f"{f}/{n}") == src)
             ]
             if not mine:
                 continue
@@ -389,7 +391,13 @@ class MemorySnapshots:
                 for name in snap.tensors:  # the fields in the order the source declares them (file names follow)
                     writer.write_tensors(name, {})
                     for field_name, tname, value in mine:
-                        if field_name == name:
+                        if field_name != name:
+                            continue
+                        if isinstance(value, LocalShard):
+                            writer.write_tensor(
+                                name, tname, value.array, global_shape=value.global_shape, offsets=value.offsets
+                            )
+                        else:
                             writer.write_tensor(name, tname, value)
                 out[src] = writer.release()
             except CheckpointError as exc:

@@ -29,6 +29,9 @@ class LocalShard:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     writer: bool = True
+    # the global ranks holding this same piece (its replicas), and which of them writes it
+    holders: tuple[int, ...] = ()
+    writer_rank: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -82,13 +85,35 @@ def _is_replica_writer(name: str, dtensor: Any) -> bool:
     return index == zlib.crc32(name.encode("utf-8")) % count
 
 
+def replicas_of(name: str, dtensor: Any) -> tuple[tuple[int, ...], int | None]:
+    """The global ranks that hold this rank's piece of ``dtensor`` (its coordinate on every mesh dim but the
+    replicated ones), in the order :func:`_is_replica_writer` counts them, and the one of them that writes it."""
+    mesh = dtensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return (), None
+    index = tuple(
+        slice(None) if placement.is_replicate() else coordinate[dim] for dim, placement in enumerate(dtensor.placements)
+    )
+    holders = tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
+    return holders, holders[zlib.crc32(name.encode("utf-8")) % len(holders)]
+
+
 def shard_of(name: str, dtensor: Any, host: np.ndarray[Any, Any] | None = None) -> LocalShard:
     """A DTensor as a :class:`LocalShard` (``host``: its local tensor already copied to host memory)."""
     offsets, shape = local_region(dtensor)
     array = host if host is not None else as_array(dtensor.to_local())[0]
     if tuple(array.shape) != shape:
         raise UsageError(f"{name!r}: local tensor of shape {list(array.shape)}, its placements say {list(shape)}")
-    return LocalShard(array, tuple(int(d) for d in dtensor.shape), offsets, _is_replica_writer(name, dtensor))
+    holders, writer_rank = replicas_of(name, dtensor)
+    return LocalShard(
+        array,
+        tuple(int(d) for d in dtensor.shape),
+        offsets,
+        _is_replica_writer(name, dtensor),
+        holders=holders,
+        writer_rank=writer_rank,
+    )
 
 
 def owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
