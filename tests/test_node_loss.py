@@ -69,8 +69,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def damaged(_: str) -> str:
         """Node B's files of step 5 bad in the only copy left (and step 4's too): every survivor passes over the
         memory step, alike, and restores the durable save of step 5. Read-only: it stops before training."""
-        # on a copy of node A's memory (slots are found by run directory, not by where the memory directory is),
-        # so that the survivors' run goes on beside it
+        # on a copy of node A's memory (slots are found by run directory, not by where the memory directory is):
+        # the survivors' restore reads the undamaged one
         copy = tmp / "shm-damaged"
         shutil.copytree(shm / "A", copy / "A")
         for pattern in ("peer-00002-0", "peer-00003-1"):
@@ -103,10 +103,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     jobs = Jobs(workers=3)  # most of a launch is single-threaded start-up: three side by side on two cores
     jobs.add("lost", lost)
-    jobs.add("survivors", survivors, "lost")
     jobs.add("damaged", damaged, "lost")
     jobs.add("ref2", reference, "lost")
-    jobs.add("back", back, "survivors", "damaged")  # the damaged run writes last-restore.json too: not meanwhile
+    jobs.add("survivors", survivors, "damaged")  # not meanwhile: the survivors' durable save of step 8 would be newer
+    jobs.add("back", back, "survivors", "damaged")
     jobs.add("ref3", lambda _: torchrun(tmp, "ref3", 4, *ref), "ref2")
     jobs.run()
     return {"tmp": tmp, **{name: jobs[name] for name in ("lost", "damaged", "survivors", "back", "ref3")}}
