@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 import ckptfmt
+from ckptfmt.codecs import WriteCodec
 
 GOLDEN = Path(__file__).resolve().parents[2] / "conformance" / "golden"
 PROVENANCE = {
@@ -119,19 +121,36 @@ def _weights(url: str) -> None:
         w.write_context("provenance", PROVENANCE)
 
 
-CHECKPOINTS = {"training": _training, "weights": _weights}
+def _encoded(url: str) -> None:
+    """Version 1.1: zstd chunks of several frames (byte-shuffled floats) beside a raw integer tensor."""
+    rng = np.random.default_rng(11)
+    with ckptfmt.open_writer(url, profile="weights", codec=WriteCodec(name="zstd", frame_bytes=4096)) as w:
+        w.write_tensor("weights", "big", rng.standard_normal((64, 48)).astype(np.float32))
+        w.write_tensor("weights", "half", rng.standard_normal((40, 33)).astype(ml_dtypes.bfloat16))
+        w.write_tensor("weights", "ints", np.arange(3000, dtype=np.int64).reshape(100, 30))
+        w.write_context("provenance", PROVENANCE)
+
+
+# What each released version's golden directory holds (a checkpoint a version's writer writes only then).
+CHECKPOINTS = {
+    "1.0": {"training": _training, "weights": _weights},
+    "1.1": {"encoded": _encoded},
+}
 
 
 def write_version(version: str) -> None:
-    if version != ckptfmt.FORMAT_VERSION:
-        raise SystemExit(f"this writer writes {ckptfmt.FORMAT_VERSION}, not {version}")
+    if version not in CHECKPOINTS:
+        raise SystemExit(f"no golden checkpoints are defined for {version}")
     target = GOLDEN / version
     if target.exists():
         raise SystemExit(f"{target} exists: golden checkpoints are written once, never rewritten")
     target.mkdir(parents=True)
-    for name, write in CHECKPOINTS.items():
+    for name, write in CHECKPOINTS[version].items():
         write(str(target / name))
         doc = expected_of(str(target / name))
+        if doc["format_version"] != version:
+            shutil.rmtree(target)
+            raise SystemExit(f"{name} was written as {doc['format_version']}, not {version}")
         (target / f"{name}.expected.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
