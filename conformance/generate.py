@@ -15,6 +15,8 @@ from ckptfmt.canonical import canonical_json
 from ckptfmt.describe import describe
 
 from .inputs import training_base, weights_base
+from .invalid_blocks import VECTORS as BLOCK_VECTORS
+from .invalid_blocks import blocks_input
 from .invalid_codecs import VECTORS as CODEC_VECTORS
 from .invalid_codecs import zstd_input
 from .invalid_context import VECTORS as CONTEXT_VECTORS
@@ -28,8 +30,14 @@ from .scenarios import SCENARIOS
 from .valid import VALID
 from .values import expected_description, load
 
-INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS, *CODEC_VECTORS, *RANK_VECTORS)
-BASES = {"weights": weights_base, "training-minimal": training_base, "zstd": zstd_input, "ranks": ranks_input}
+INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS, *CODEC_VECTORS, *RANK_VECTORS, *BLOCK_VECTORS)
+BASES = {
+    "weights": weights_base,
+    "training-minimal": training_base,
+    "zstd": zstd_input,
+    "ranks": ranks_input,
+    "blocks": blocks_input,
+}
 
 
 def _normalized(doc: dict[str, Any]) -> dict[str, Any]:

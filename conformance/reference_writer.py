@@ -1,7 +1,8 @@
 """The reference writer adapter: ``python -m conformance.reference_writer INPUT.json OUT_DIR``.
 
 Writes the checkpoint a writer input describes with ``ckptfmt.open_writer`` and prints its
-checkpoint id on stdout. Honours the optional ``hints`` (target file size, digest algorithm) and the
+checkpoint id on stdout. Honours the optional ``hints`` (target file size, digest algorithm, block size of
+block digests: ``block_bytes``, the library's default when absent, ``null`` for none) and the
 ``rank`` hints of chunks and context fields: an input naming ranks above 0 is written as a real
 multi-rank save, one writer per rank (threads joined by a ThreadCollective), each rank writing its own
 chunks and contexts, rank 0 the whole tensors and the commit.
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import ckptfmt
+from ckptfmt.blocks import DEFAULT_BLOCK_BYTES
 from ckptfmt.collective import ThreadCollective
 from ckptfmt.errors import CheckpointError
 from ckptfmt.writer import DEFAULT_TARGET_FILE_SIZE, CheckpointWriter
@@ -109,6 +111,7 @@ def write(writer_input: dict[str, Any], out_dir: str | Path) -> str:
         "metadata": writer_input.get("metadata") or None,
         "target_file_size": int(hints.get("target_file_size", DEFAULT_TARGET_FILE_SIZE)),
         "digest": str(hints.get("digest", "xxh3-128")),
+        "block_bytes": hints.get("block_bytes", DEFAULT_BLOCK_BYTES),
     }
     world = _ranks(writer_input)
     if world > 1:

@@ -30,9 +30,18 @@ from .inputs import (
     training_base,
     weights_base,
 )
+from .invalid_blocks import block_digests, blocks_input, chunk_of
 from .invalid_codecs import to_zstd, zstd_input
 from .invalid_ranks import ranks_input
 from .mutations import Json, Tree
+
+
+def block_edge_cases(t: Tree, doc: Json) -> None:
+    for name, size in (("steps", 4096), ("x", 1 << 30), ("e", 4096)):
+        chunk = chunk_of(doc, name)
+        chunk["blocks"] = {"size": size, "digests": block_digests(t, chunk, size)}
+    assert chunk_of(doc, "e")["blocks"]["digests"] == ""
+    chunk_of(doc, "w")["blocks"]["x-note"] = "readers ignore unknown members (VER-5)"
 
 
 @dataclass(frozen=True)
@@ -522,6 +531,34 @@ VALID: tuple[Valid, ...] = (
         post=lambda t: to_zstd(t, sign_last=False),
         writer=False,
         expect=lambda d: d.update(format_version="1.1"),
+    ),
+    Valid(
+        "blocks",
+        ("BLK-1", "BLK-2", "BLK-6", "VER-1"),
+        "Block digests of 4096 bytes (hint block_bytes): a chunk of a full and a short block, a tensor in two chunks "
+        "of two blocks each; a chunk of exactly one block's size, a small and an empty one without; format_version "
+        "1.2.",
+        blocks_input,
+        expect=lambda d: d.update(format_version="1.2"),
+    ),
+    Valid(
+        "blocks-sha256",
+        ("BLK-2", "BLK-6"),
+        "The blocks vector with every digest, block digests included, in sha256 (64 digits per block).",
+        lambda: blocks_input("sha256"),
+        writer=False,
+        expect=lambda d: d.update(format_version="1.2"),
+    ),
+    Valid(
+        "blocks-edge-cases",
+        ("BLK-1", "BLK-2", "VER-5"),
+        "Blocks a reader must accept though the reference writer writes none such: one block longer than its chunk "
+        "(32 bytes), blocks of 2^30 bytes (the largest size), none on an empty chunk (digests ''), and an unknown "
+        "member inside 'blocks'.",
+        blocks_input,
+        post=lambda t: t.edit(lambda d: block_edge_cases(t, d)),
+        writer=False,
+        expect=lambda d: d.update(format_version="1.2"),
     ),
     Valid(
         "minor-version",

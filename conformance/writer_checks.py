@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import ckptfmt
+from ckptfmt.blocks import BlockHasher, Blocks
+from ckptfmt.blocks import problem as block_problem
 from ckptfmt.canonical import config_hash, manifest_bytes
 from ckptfmt.errors import CheckpointError
 from ckptfmt.paths import check_path
@@ -224,8 +226,43 @@ def profile_fields(out: Output) -> list[str]:
     ]
 
 
+def expected_version(manifest: dict[str, Any]) -> str:
+    """The ``format_version`` VER-1 asks of a writer for this manifest: 1.2 with block digests, 1.1 with codecs."""
+    chunks = [c for f in manifest["fields"].values() for t in f.get("tensors", {}).values() for c in t["chunks"]]
+    if any("blocks" in c for c in chunks):
+        return "1.2"
+    return "1.1" if any(c.get("codec", {}).get("name") != "raw" for c in chunks) else "1.0"
+
+
 def version(out: Output) -> list[str]:
-    return [] if out.manifest["format_version"] == "1.0" else [f"format_version is {out.manifest['format_version']!r}"]
+    want, got = expected_version(out.manifest), out.manifest["format_version"]
+    return [] if got == want else [f"format_version is {got!r}, not {want!r}"]
+
+
+def block_digests(out: Output) -> list[str]:
+    """BLK-4: every block digest written is the digest of that block's bytes (the format version is VER-1's)."""
+    problems, files = [], {}
+    for _, chunk in out.chunks():
+        if "blocks" not in chunk:
+            continue
+        where = f"chunk {chunk['key']!r} of {chunk['path']}"
+        begin, end = chunk["range"]
+        algorithm = chunk["digest"].partition(":")[0]
+        if (found := block_problem(chunk["blocks"], nbytes=end - begin, algorithm=algorithm)) is not None:
+            problems.append(f"{where}: {found[0]}")
+            continue
+        if chunk["path"] not in files:
+            files[chunk["path"]] = (out.root / chunk["path"]).read_bytes()
+        hasher = BlockHasher(algorithm, chunk["blocks"]["size"])
+        hasher.update(memoryview(files[chunk["path"]])[begin:end])
+        actual = hasher.finish()
+        written = Blocks(size=chunk["blocks"]["size"], digests=chunk["blocks"]["digests"])
+        problems += [
+            f"{where}: block {i} hashes to {got}, the manifest says {said}"
+            for i in range(actual.count(end - begin))
+            if (got := actual.digest(algorithm, i)) != (said := written.digest(algorithm, i))
+        ]
+    return problems
 
 
 def lock_removed(out: Output) -> list[str]:
@@ -248,6 +285,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("CFG-1", config_hashes),
     ("PRO-2", profile_fields),
     ("VER-1", version),
+    ("BLK-4", block_digests),
     ("COM-13", lock_removed),
 )
 DETERMINISM = "COM-16"

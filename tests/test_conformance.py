@@ -147,8 +147,9 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 168
+    assert len(result.spec) == 174
     assert result.by_tests == {
+        "BLK-5",
         "COM-17",
         "COM-18",
         "COM-19",
@@ -298,3 +299,21 @@ def test_a_requirement_named_by_a_refusal_is_one_the_vector_names() -> None:
         if info.value.requirement not in allowed:
             wrong.append((vector.name, info.value.requirement, sorted(allowed)))
     assert wrong == []
+
+
+def test_the_writer_checks_catch_a_wrong_block_digest_and_a_wrong_version(tmp_path: Path) -> None:
+    """BLK-4 and VER-1 as writer checks, in process, on the reference writer's blocks vector tampered with."""
+    from ckptfmt.canonical import manifest_bytes
+    from conformance.writer_checks import run_checks
+
+    root = tmp_path / "out"
+    shutil.copytree(VECTORS / "valid" / "blocks" / "checkpoint", root)
+    assert run_checks(root, "") == []
+    doc = json.loads((root / "manifest.json").read_bytes())
+    blocks = doc["fields"]["weights"]["tensors"]["w"]["chunks"][0]["blocks"]
+    blocks["digests"] = "0" * 32 + blocks["digests"][32:]
+    doc["format_version"] = "1.0"
+    (root / "manifest.json").write_bytes(manifest_bytes(doc))
+    problems = run_checks(root, "")
+    assert [rid for rid, _ in problems] == ["VER-1", "BLK-4"], problems
+    assert "block 0" in problems[1][1] and "'1.2'" in problems[0][1]

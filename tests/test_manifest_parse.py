@@ -49,6 +49,11 @@ BAD_CHUNKS = [
     ("codec", {}),
     ("codec", "raw"),
     ("codec", None),
+    ("blocks", None),
+    ("blocks", []),
+    ("blocks", {"size": 4096}),
+    ("blocks", {"size": 4096, "digests": "0" * 31}),
+    ("blocks", {"size": 4095, "digests": "0" * 32}),
 ]
 
 

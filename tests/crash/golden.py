@@ -131,10 +131,25 @@ def _encoded(url: str) -> None:
         w.write_context("provenance", PROVENANCE)
 
 
+def _blocks(url: str) -> None:
+    """Version 1.2: block digests of 4096 bytes on raw chunks, each chunk ending in a short block; a tensor in
+    two chunks along dim 0; an integer tensor; a scalar too small for blocks."""
+    rng = np.random.default_rng(12)
+    with ckptfmt.open_writer(url, profile="weights", block_bytes=4096) as w:
+        w.write_tensor("weights", "emb", rng.standard_normal((250, 200)).astype(np.float32))  # 49 blocks
+        proj = rng.standard_normal((96, 100)).astype(np.float32)
+        for start in (0, 48):  # 19200 bytes a chunk: 5 blocks each
+            w.write_tensor("weights", "proj", proj[start : start + 48], global_shape=(96, 100), offsets=(start, 0))
+        w.write_tensor("weights", "ids", rng.integers(-(1 << 40), 1 << 40, 1000).astype(np.int64))  # 2 blocks
+        w.write_tensor("weights", "step", np.array(40, np.int64))
+        w.write_context("provenance", PROVENANCE)
+
+
 # What each released version's golden directory holds (a checkpoint a version's writer writes only then).
 CHECKPOINTS = {
     "1.0": {"training": _training, "weights": _weights},
     "1.1": {"encoded": _encoded},
+    "1.2": {"blocks": _blocks},
 }
 
 
