@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .blocks import DEFAULT_BLOCK_BYTES
 from .canonical import canonical_json, config_hash
 from .collective import Collective, ThreadCollective
 from .errors import (
@@ -78,13 +79,16 @@ def open_writer(
     metadata: Mapping[str, str] | None = None,
     collective: Collective | None = None,
     codec: str | None = None,
+    block_bytes: int | None = DEFAULT_BLOCK_BYTES,
 ) -> CheckpointWriter:
     """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits.
 
     With ``collective``, every rank of the group calls this with the same ``url`` and writes its own
     tensors or chunks; rank 0 holds the lock and commits one manifest for all (a collective call).
     ``codec``: None or ``"raw"`` stores raw chunks; ``"zstd"`` or ``"zstd:LEVEL"`` compresses floating-point
-    chunks losslessly (spec/codecs.md; such a checkpoint is format 1.1).
+    chunks losslessly (spec/codecs.md; such a checkpoint is format 1.1). ``block_bytes``: raw chunks larger than
+    this also get a digest per block, so a partial read checks exactly the blocks it reads (spec/blocks.md,
+    format 1.2); None writes none.
     """
     return CheckpointWriter(
         open_store(url, storage_options),
@@ -97,6 +101,7 @@ def open_writer(
         metadata=metadata,
         collective=collective,
         codec=codec,
+        block_bytes=block_bytes,
     )
 
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from . import chunks as geometry
 from . import dtypes, paths
+from .blocks import Blocks
+from .blocks import problem as block_problem
 from .canonical import manifest_bytes
 from .digests import ALGORITHMS, parse_digest
 from .errors import (
@@ -29,10 +31,11 @@ from .profiles import PROFILES
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0  # becomes 1 with the release of 1.1, which adds conformance/golden/1.1 (tests/test_golden.py)
+FORMAT_MINOR = 2  # each release adds conformance/golden/<version> (tests/test_golden.py)
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 RAW_VERSION = f"{FORMAT_MAJOR}.0"  # VER-1: what a checkpoint whose chunks are all raw says (a valid 1.0 one)
 ENCODED_VERSION = f"{FORMAT_MAJOR}.1"  # VER-1: what a checkpoint with an encoded chunk says (spec/codecs.md)
+BLOCKS_VERSION = f"{FORMAT_MAJOR}.2"  # VER-1: what a checkpoint with block digests says (spec/blocks.md)
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_JSON_DEPTH = 64  # MAN-26: the top-level object is level 1
 MAX_INT_DIGITS = 20  # MAN-26: enough for any 64-bit integer, signed or unsigned (as ckptfmt.jsonio)
@@ -79,13 +82,14 @@ class ChunkRecord:
     end: int
     digest: str
     codec: Codec = RAW_CODEC
+    blocks: Blocks | None = None  # a digest per block of the stored bytes (spec/blocks.md)
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "path": self.path,
             "key": self.key,
             "offsets": list(self.offsets),
@@ -94,6 +98,9 @@ class ChunkRecord:
             "digest": self.digest,
             "codec": self.codec.to_dict(),
         }
+        if self.blocks is not None:
+            out["blocks"] = self.blocks.to_dict()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,7 +287,7 @@ _FILE = frozenset({"path", "size", "digest"})
 _FIELD = frozenset({"kind", "tensors", "context"})
 _REF = frozenset({"path"})
 _TENSOR = frozenset({"dtype", "shape", "chunks"})
-_CHUNK = frozenset({"path", "key", "offsets", "shape", "range", "digest", "codec"})
+_CHUNK = frozenset({"path", "key", "offsets", "shape", "range", "digest", "codec", "blocks"})
 _CODEC = frozenset({"name", "configuration"})
 _EXTENSION = frozenset({"name", "must_understand", "configuration"})
 
@@ -392,8 +399,9 @@ def _parse_chunk(raw: Any, sizes: Mapping[str, int], dtype_size: int, rank: int,
         path, key, offsets, shape = raw["path"], raw["key"], raw["offsets"], raw["shape"]
         begin, end = raw["range"]
         digest, codec = raw["digest"], raw["codec"]
+        blocks = raw.get("blocks")
         if (
-            len(raw) == 7
+            len(raw) == (7 if blocks is None else 8)
             and type(key) is str
             and key
             and type(begin) is int
@@ -408,7 +416,14 @@ def _parse_chunk(raw: Any, sizes: Mapping[str, int], dtype_size: int, rank: int,
             count = dtype_size
             for d in shape:
                 count *= d
-            if not dtype_size or end - begin == count:
+            if (not dtype_size or end - begin == count) and (
+                blocks is None
+                or (
+                    type(blocks) is dict
+                    and len(blocks) == 2
+                    and block_problem(blocks, nbytes=end - begin, algorithm=digest.partition(":")[0]) is None
+                )
+            ):
                 return ChunkRecord(
                     path=path,
                     key=key,
@@ -418,6 +433,7 @@ def _parse_chunk(raw: Any, sizes: Mapping[str, int], dtype_size: int, rank: int,
                     end=end,
                     digest=digest,
                     codec=RAW_CODEC,
+                    blocks=None if blocks is None else Blocks(size=blocks["size"], digests=blocks["digests"]),
                 )
     except (KeyError, TypeError, ValueError):
         pass
@@ -468,6 +484,7 @@ def _parse_chunk_slow(
                 requirement="TEN-21",
                 **where,
             )
+    digest = _digest(raw.get("digest"), "chunk 'digest'", "TEN-11", **where)
     return ChunkRecord(
         path=path,
         key=key,
@@ -475,9 +492,22 @@ def _parse_chunk_slow(
         shape=shape,
         begin=begin,
         end=end,
-        digest=_digest(raw.get("digest"), "chunk 'digest'", "TEN-11", **where),
+        digest=digest,
         codec=codec,
+        blocks=_blocks(raw["blocks"], codec, end - begin, digest, **where) if "blocks" in raw else None,
     )
+
+
+def _blocks(value: object, codec: Codec, nbytes: int, digest: str, **where: Any) -> Blocks:
+    """A present ``blocks`` member (spec/blocks.md): well-formed, on a raw chunk. ``null`` is no object (BLK-1)."""
+    if codec.name != RAW:
+        raise _fail(f"a chunk of codec {codec.name!r} has 'blocks'", requirement="BLK-3", **where)
+    found = block_problem(value, nbytes=nbytes, algorithm=digest.partition(":")[0])
+    if found is not None:
+        raise _fail(found[0], requirement=found[1], **where)
+    assert isinstance(value, dict)
+    _extras(value, frozenset({"size", "digests"}), 8, **where)
+    return Blocks(size=value["size"], digests=value["digests"])
 
 
 def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) -> TensorRecord:

@@ -6,7 +6,7 @@ shapes and chunk bounds as they arrive. After the executor has written the files
 :class:`RankResult` (its file and chunk records); :func:`merge_results` is the global step that
 joins every rank's results, checks that the chunks tile each tensor exactly and builds the manifest.
 
-Read side: :func:`plan_region` says which chunks a region of a tensor needs and where each lands.
+The read side has its own planner, ``read_plan``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from typing import Any
 
 from . import chunks as geometry
 from . import layout
+from .blocks import Blocks
 from .codecs import WriteCodec, writer_codec
 from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
 from .manifest import (
+    BLOCKS_VERSION,
     ENCODED_VERSION,
     RAW,
     RAW_VERSION,
@@ -151,6 +153,9 @@ def _chunk_from_dict(doc: Mapping[str, Any]) -> ChunkRecord:
         end=int(doc["range"][1]),
         digest=str(doc["digest"]),
         codec=Codec(name=str(codec["name"]), configuration=codec.get("configuration")),
+        blocks=None
+        if doc.get("blocks") is None
+        else Blocks(size=int(doc["blocks"]["size"]), digests=str(doc["blocks"]["digests"])),
     )
 
 
@@ -333,39 +338,15 @@ def merge_results(
             raise MissingFieldError(
                 f"profile {profile!r} requires field {name!r} of kind {kind!r}; nothing was committed", field=name
             )
-    encoded = any(c.codec.name != RAW for f in fields.values() for t in f.tensors.values() for c in t.chunks)
+    chunks = [c for f in fields.values() for t in f.tensors.values() for c in t.chunks]
+    encoded = any(c.codec.name != RAW for c in chunks)
+    version = (
+        BLOCKS_VERSION if any(c.blocks is not None for c in chunks) else ENCODED_VERSION if encoded else RAW_VERSION
+    )
     return Manifest(
-        format_version=ENCODED_VERSION if encoded else RAW_VERSION,  # VER-1
+        format_version=version,  # VER-1: the lowest version whose additions it uses
         profile=profile,
         files=tuple(files[p] for p in sorted(files)),
         fields=fields,
         metadata=dict(metadata or {}),
     )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadItem:
-    """One chunk a region needs: read it whole, then copy ``source`` of it into ``target`` of the result.
-
-    ``direct`` when the chunk is exactly the region: the executor reads it straight into the result.
-    """
-
-    chunk: ChunkRecord
-    source: tuple[slice, ...]
-    target: tuple[slice, ...]
-    direct: bool
-
-
-def plan_region(record: TensorRecord, offsets: Sequence[int], shape: Sequence[int]) -> list[ReadItem]:
-    """The chunks of ``record`` that the region ``[offsets, offsets + shape)`` touches, and where each lands."""
-    region: geometry.Box = (tuple(offsets), tuple(shape))
-    items: list[ReadItem] = []
-    for chunk in record.chunks:
-        overlap = geometry.intersect(region, (chunk.offsets, chunk.shape))
-        if overlap is None:
-            continue
-        source = tuple(slice(o - c, o - c + s) for o, s, c in zip(overlap[0], overlap[1], chunk.offsets, strict=True))
-        target = tuple(slice(o - r, o - r + s) for o, s, r in zip(overlap[0], overlap[1], region[0], strict=True))
-        direct = chunk.offsets == region[0] and chunk.shape == region[1]
-        items.append(ReadItem(chunk=chunk, source=source, target=target, direct=direct))
-    return items

@@ -1,30 +1,30 @@
 """Full verification of a checkpoint: every file re-read once, in bounded memory, every problem reported.
 
-One streaming pass per data file computes the file digest and every chunk digest together; the
-safetensors header is checked against the manifest; context blobs are decoded and their standard
-rules (config hash included) re-checked.
+A client of the read executor (``read_executor``): one streaming scan per data file feeds the file digest,
+every chunk digest and every block digest together; the file checks (``file_checks``) compare the
+safetensors header with the manifest; context blobs are decoded and their standard rules (config hash
+included) re-checked. Pages read are dropped from the page cache afterwards: a verification reads them once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import dtypes
+from .blocks import BlockHasher
 from .codecs import get_codec
 from .context import decode
 from .digests import Hasher, algorithm_of, format_digest, new_hasher
 from .errors import CheckpointError, UnsafePathError
 from .fields import check_standard_field
-from .manifest import RAW, ChunkRecord, FileRecord
-
-if TYPE_CHECKING:
-    from .reader import Checkpoint
-
-BLOCK_BYTES = 8 << 20
+from .file_checks import FileChecks
+from .manifest import RAW, ChunkRecord, FieldRecord, FileRecord, Manifest
+from .read_executor import ReadExecutor
+from .storage import Store
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,10 +94,34 @@ def _problem(code: str, message: str, **where: Any) -> Problem:
     return Problem(code=code, message=message, **where)
 
 
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What verification reads: a checkpoint's store, manifest and file checks."""
+
+    url: str
+    id: str
+    store: Store
+    manifest: Manifest
+    checks: FileChecks
+    executor: ReadExecutor
+
+    @property
+    def fields(self) -> Mapping[str, FieldRecord]:
+        return self.manifest.fields
+
+
 def verify_checkpoint(
-    ckpt: Checkpoint, *, quick: bool = False, progress: Callable[[int], None] | None = None, workers: int = 4
+    store: Store,
+    manifest: Manifest,
+    *,
+    checkpoint_id: str,
+    quick: bool = False,
+    progress: Callable[[int], None] | None = None,
+    workers: int = 4,
 ) -> VerifyReport:
     """Every problem of a checkpoint: ``workers`` data files are streamed (hashed, frames decoded) at once."""
+    checks = FileChecks(store, manifest)
+    ckpt = _Target(store.url, checkpoint_id, store, manifest, checks, ReadExecutor(store, checks, keep_cached=False))
     report = VerifyReport(url=ckpt.url, checkpoint_id=ckpt.id, quick=quick)
     owners: dict[str, tuple[str, list[tuple[str, ChunkRecord]]]] = {}
     for fname, record in ckpt.fields.items():
@@ -174,7 +198,7 @@ def verify_checkpoint(
     return report
 
 
-def _check_regular(ckpt: Checkpoint, path: str) -> None:
+def _check_regular(ckpt: _Target, path: str) -> None:
     """Refuse ``path`` if the store's regular-file open does: a symlink on the way (PTH-3), or not a
     regular file (PTH-4). A missing or unreadable file is left to the presence and size checks."""
     try:
@@ -192,7 +216,7 @@ def _check_regular(ckpt: Checkpoint, path: str) -> None:
 
 
 def _check_contents(
-    ckpt: Checkpoint,
+    ckpt: _Target,
     file: FileRecord,
     chunk_list: list[tuple[str, ChunkRecord]],
     fname: str,
@@ -219,14 +243,14 @@ def _check_contents(
     return sub
 
 
-def _check_encoded(ckpt: Checkpoint, fname: str, tname: str, chunk: ChunkRecord, *, decode_frames: bool) -> None:
+def _check_encoded(ckpt: _Target, fname: str, tname: str, chunk: ChunkRecord, *, decode_frames: bool) -> None:
     """An encoded chunk: its codec is known (TEN-14) and its configuration places its frames (COD-4); unless
     quick, every frame is decoded, one at a time, as a reader would (COD-5)."""
     codec = get_codec(chunk.codec.name)
     count = 1
     for d in chunk.shape:
         count *= d
-    itemsize = dtypes.itemsize(ckpt.tensor(fname, tname).dtype)
+    itemsize = dtypes.itemsize(ckpt.fields[fname].tensors[tname].dtype)
     raw_size = count * itemsize
     begin = 0
     while True:
@@ -242,13 +266,13 @@ def _check_encoded(ckpt: Checkpoint, fname: str, tname: str, chunk: ChunkRecord,
         begin = span.raw_end
 
 
-def _check_header(ckpt: Checkpoint, path: str, size: int, report: VerifyReport) -> None:
-    for problem in ckpt.header_problems(path, size):
+def _check_header(ckpt: _Target, path: str, size: int, report: VerifyReport) -> None:
+    for problem in ckpt.checks.header_problems(path, size):
         report.add(problem)
 
 
 def _check_digests(
-    ckpt: Checkpoint,
+    ckpt: _Target,
     path: str,
     size: int,
     digest: str,
@@ -260,37 +284,40 @@ def _check_digests(
     """One pass over the file feeding the file hasher and the hasher of whichever chunk each byte is in."""
     file_hasher = new_hasher(algorithm_of(digest))
     spans = sorted(chunk_list, key=lambda item: item[1].begin)
-    open_spans: list[tuple[str, ChunkRecord, Hasher]] = []
+    open_spans: list[tuple[str, ChunkRecord, Hasher, BlockHasher | None]] = []
     next_span = 0
-    block = bytearray(min(BLOCK_BYTES, max(size, 1)))
-    pos = 0
-    while pos < size:
-        n = min(len(block), size - pos)
-        view = memoryview(block)[:n]
-        ckpt.store.read_into(path, pos, view)
+
+    def consume(pos: int, view: memoryview) -> None:
+        nonlocal open_spans, next_span
+        n = len(view)
         file_hasher.update(view)
         end = pos + n
         while next_span < len(spans) and spans[next_span][1].begin < end:
             tname, chunk = spans[next_span]
-            open_spans.append((tname, chunk, new_hasher(algorithm_of(chunk.digest))))
+            algorithm = algorithm_of(chunk.digest)
+            blocks = None if chunk.blocks is None else BlockHasher(algorithm, chunk.blocks.size)
+            open_spans.append((tname, chunk, new_hasher(algorithm), blocks))
             next_span += 1
         still_open = []
-        for tname, chunk, hasher in open_spans:
+        for tname, chunk, hasher, blocks in open_spans:
             lo, hi = max(chunk.begin, pos), min(chunk.end, end)
             if hi > lo:
                 hasher.update(view[lo - pos : hi - pos])
+                if blocks is not None:
+                    blocks.update(view[lo - pos : hi - pos])
             if chunk.end <= end:
-                _finish_chunk(tname, chunk, hasher, path, fname, report)
+                _finish_chunk(tname, chunk, hasher, path, fname, report, blocks)
             else:
-                still_open.append((tname, chunk, hasher))
+                still_open.append((tname, chunk, hasher, blocks))
         open_spans = still_open
-        pos = end
         if progress:
             progress(n)
+
+    ckpt.executor.scan(path, size, consume)
     for tname, chunk in spans[next_span:]:  # zero-byte chunks at the very end
         _finish_chunk(tname, chunk, new_hasher(algorithm_of(chunk.digest)), path, fname, report)
-    for tname, chunk, hasher in open_spans:
-        _finish_chunk(tname, chunk, hasher, path, fname, report)
+    for tname, chunk, hasher, blocks in open_spans:
+        _finish_chunk(tname, chunk, hasher, path, fname, report, blocks)
     actual = format_digest(algorithm_of(digest), file_hasher)
     if actual != digest:
         report.problems.append(
@@ -304,8 +331,38 @@ def _check_digests(
         )
 
 
-def _finish_chunk(tname: str, chunk: ChunkRecord, hasher: Hasher, path: str, fname: str, report: VerifyReport) -> None:
+def _finish_chunk(
+    tname: str,
+    chunk: ChunkRecord,
+    hasher: Hasher,
+    path: str,
+    fname: str,
+    report: VerifyReport,
+    blocks: BlockHasher | None = None,
+) -> None:
     report.chunks_checked += 1
+    if blocks is not None and chunk.blocks is not None:
+        found = blocks.finish()
+        if found.digests != chunk.blocks.digests:  # BLK-6, reported even when the chunk digest matches
+            width = len(found.digests) // max(1, found.count(chunk.nbytes))
+            index = next(
+                i
+                for i in range(found.count(chunk.nbytes))
+                if found.digests[i * width : (i + 1) * width] != chunk.blocks.digests[i * width : (i + 1) * width]
+            )
+            at = chunk.begin + index * found.size
+            report.problems.append(
+                _problem(
+                    "digest_mismatch",
+                    f"chunk {chunk.key!r} block {index} (bytes [{at}, {min(at + found.size, chunk.end)})) hashes to "
+                    f"{found.digest(algorithm_of(chunk.digest), index)}, manifest says "
+                    f"{chunk.blocks.digest(algorithm_of(chunk.digest), index)}",
+                    path=path,
+                    field=fname,
+                    tensor=tname,
+                    requirement="BLK-6",
+                )
+            )
     actual = format_digest(algorithm_of(chunk.digest), hasher)
     if actual != chunk.digest:
         report.problems.append(

@@ -33,6 +33,8 @@ import numpy as np
 from . import __version__, layout
 from . import plan as plan_module
 from .arrays import as_array
+from .blocks import DEFAULT_BLOCK_BYTES
+from .blocks import valid_size as valid_block_size
 from .canonical import config_hash, config_to_dict
 from .codecs import WriteCodec, writer_codec
 from .collective import Collective, decode_status, encode_status
@@ -47,13 +49,13 @@ from .errors import (
     SizeMismatchError,
     UsageError,
 )
-from .executor import WriteExecutor
 from .fields import check_standard_field
 from .manifest import RAW, FileRecord, parse_manifest
 from .paths import check_field_name
 from .plan import FilePlan, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES
 from .storage import Store
+from .write_executor import WriteExecutor
 
 log = logging.getLogger("ckptfmt")
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
@@ -113,6 +115,7 @@ class CheckpointWriter:
         collective: Collective | None = None,
         codec: str | WriteCodec | None = None,
         store_of_rank: Sequence[int] | None = None,
+        block_bytes: int | None = DEFAULT_BLOCK_BYTES,
     ) -> None:
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -121,6 +124,8 @@ class CheckpointWriter:
         if collective is not None and collective.rank != rank:
             rank = collective.rank
         new_hasher(digest)  # fail early on an unknown algorithm
+        if block_bytes is not None and not valid_block_size(block_bytes):
+            raise UsageError(f"block_bytes must be a power of two from 4096 to 2**30 (or None), got {block_bytes!r}")
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise UsageError("metadata must map strings to strings")
         self.store = store
@@ -142,7 +147,9 @@ class CheckpointWriter:
         self._contexts: dict[str, str] = {}
         self._closed = False
         self._committer: Committer | None = None
-        self._executor = WriteExecutor(store, algorithm=digest, workers=workers)
+        # block_bytes: raw chunks larger than this get a digest per block, so partial reads are verified over
+        # exactly the blocks they read (spec/blocks.md); None writes none (the checkpoint stays a 1.0 or 1.1 one)
+        self._executor = WriteExecutor(store, algorithm=digest, workers=workers, block_bytes=block_bytes)
         try:
             self._start(overwrite)
         except BaseException:

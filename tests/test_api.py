@@ -137,5 +137,5 @@ def test_errors_render_where_and_serialize() -> None:
 
 
 def test_format_version() -> None:
-    assert ckptfmt.FORMAT_VERSION == "1.0"
+    assert ckptfmt.FORMAT_VERSION == "1.2"
     assert set(ckptfmt.PROFILES) == {"training", "weights"}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ckptfmt.errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
 from ckptfmt.manifest import ChunkRecord, FileRecord
-from ckptfmt.plan import PlacedChunk, RankPlanner, RankResult, merge_results, plan_region
+from ckptfmt.plan import PlacedChunk, RankPlanner, RankResult, merge_results
 
 DIGEST = "xxh3-128:" + "0" * 32
 PROV = {"provenance": "provenance/context.msgpack"}
@@ -92,24 +91,3 @@ def test_rank_result_round_trips_as_json_and_refuses_garbage() -> None:
     for bad in (b"[]", b'{"rank": 1}', b"{", b'{"rank":"x","files":[],"chunks":[],"contexts":{},"tensor_fields":[]}'):
         with pytest.raises(ManifestError):
             RankResult.from_bytes(bad)
-
-
-def test_plan_region_reads_only_touched_chunks_and_places_them() -> None:
-    top = _placed("w", "t", (0, 0), (2, 4), (4, 4)).chunk
-    bottom = _placed("w", "t", (2, 0), (2, 4), (4, 4)).chunk
-    from ckptfmt.manifest import TensorRecord
-
-    record = TensorRecord(dtype="F32", shape=(4, 4), chunks=(top, bottom))
-    items = plan_region(record, (3, 1), (1, 2))
-    assert [i.chunk.offsets for i in items] == [(2, 0)]
-    assert items[0].source == (slice(1, 2), slice(1, 3)) and items[0].target == (slice(0, 1), slice(0, 2))
-    assert not items[0].direct
-    whole = plan_region(record, (2, 0), (2, 4))
-    assert len(whole) == 1 and whole[0].direct
-    # The plan fills a region exactly: assemble a tensor from chunk arrays with it.
-    full = np.arange(16, dtype=np.float32).reshape(4, 4)
-    out = np.zeros((3, 3), np.float32)
-    for item in plan_region(record, (1, 1), (3, 3)):
-        chunk_data = full[tuple(slice(o, o + s) for o, s in zip(item.chunk.offsets, item.chunk.shape, strict=True))]
-        out[item.target] = chunk_data[item.source]
-    assert np.array_equal(out, full[1:, 1:])

@@ -9,6 +9,7 @@ Storage knows paths and bytes, never tensors or manifests. Call sequence of a wr
 from __future__ import annotations
 
 import builtins
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,11 +62,17 @@ class Store(ABC):
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``begin``; SizeMismatchError if the file is shorter."""
 
-    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         """Fill each ``(begin, out)`` with the file's bytes from ``begin``: several ranges of one file in one
-        call, so a backend opens the file once (local) or sends the requests together (object stores)."""
+        call, so a backend opens the file once and merges what it can (one ``preadv`` per run of adjacent
+        ranges locally, one GET per run on object stores). This is the one place ranges are merged.
+        ``keep_cached=False``: the caller reads these bytes once; a backend with a page cache drops them."""
         for begin, out in requests:
             self.read_into(path, begin, out)
+
+    def mapping(self, path: str) -> mmap.mmap | None:
+        """A read-only memory map of the file, where the backend can map files (local disks); else None."""
+        return None
 
     @abstractmethod
     def size(self, path: str) -> int: ...

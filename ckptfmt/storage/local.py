@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import errno
 import fcntl
+import mmap
 import os
 import secrets
 import stat
@@ -30,6 +31,8 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NOCTTY = getattr(os, "O_NOCTTY", 0)  # a terminal device opened by mistake never becomes ours
 _READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK | _NOCTTY
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
 _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC  # the root may be reached through a symlink
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
@@ -237,6 +240,42 @@ def pread_exact(fd: int, path: str, begin: int, out: memoryview) -> None:
         raise StorageError(f"read failed: {exc}", path=path) from exc
 
 
+def merge_adjacent(requests: Sequence[tuple[int, memoryview]]) -> builtins.list[tuple[int, builtins.list[memoryview]]]:
+    """Runs of back-to-back ranges, each read by one ``preadv`` into its views (at most ``IOV_MAX`` of them)."""
+    runs: builtins.list[tuple[int, builtins.list[memoryview]]] = []
+    end = -1
+    for begin, out in sorted(requests, key=lambda r: r[0]):
+        view = out.cast("B") if out.format != "B" else out
+        if not len(view):
+            continue
+        if runs and begin == end and len(runs[-1][1]) < _IOV_MAX:
+            runs[-1][1].append(view)
+        else:
+            runs.append((begin, [view]))
+        end = begin + len(view)
+    return runs
+
+
+def preadv_exact(fd: int, path: str, begin: int, views: Sequence[memoryview]) -> None:
+    """Fill ``views`` back to back from byte ``begin``; SizeMismatchError if the file is shorter."""
+    todo = builtins.list(views)
+    total = sum(len(v) for v in todo)
+    pos = 0
+    try:
+        while todo:
+            got = os.preadv(fd, todo, begin + pos)
+            if got == 0:
+                raise SizeMismatchError(f"file ends before byte {begin + total} (read {begin + pos})", path=path)
+            pos += got
+            while todo and got >= len(todo[0]):
+                got -= len(todo[0])
+                todo.pop(0)
+            if todo and got:
+                todo[0] = todo[0][got:]
+    except OSError as exc:
+        raise StorageError(f"read failed: {exc}", path=path) from exc
+
+
 def scan_dir(dir_fd: int) -> builtins.list[tuple[str, os.stat_result]]:
     """(name, lstat) of every entry of an open directory."""
     with os.scandir(dir_fd) as it:
@@ -423,11 +462,22 @@ class LocalStore(Store):
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         self.read_ranges(path, [(begin, out)])
 
-    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         fd = self._open_read(path)  # one walk and one open for every range of the file
         try:
-            for begin, out in requests:
-                pread_exact(fd, path, begin, out)
+            for begin, views in merge_adjacent(requests):
+                preadv_exact(fd, path, begin, views)
+                if not keep_cached and _DONTNEED is not None:
+                    os.posix_fadvise(fd, begin, sum(len(v) for v in views), _DONTNEED)
+        finally:
+            os.close(fd)
+
+    def mapping(self, path: str) -> mmap.mmap | None:
+        fd = self._open_read(path)
+        try:
+            if os.fstat(fd).st_size == 0:
+                return None
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
 

@@ -9,6 +9,7 @@ the checkpoint as one; it never writes, and it records where each file it read c
 from __future__ import annotations
 
 import builtins
+import mmap
 from collections.abc import Sequence
 
 from ..errors import MissingFileError, UsageError
@@ -51,8 +52,11 @@ class OverlayStore(Store):
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         self._layer(path).read_into(path, begin, out)
 
-    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
-        self._layer(path).read_ranges(path, requests)
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
+        self._layer(path).read_ranges(path, requests, keep_cached=keep_cached)
+
+    def mapping(self, path: str) -> mmap.mmap | None:
+        return self._layer(path).mapping(path)
 
     def size(self, path: str) -> int:
         return self._layer(path).size(path)

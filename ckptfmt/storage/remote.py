@@ -405,7 +405,7 @@ class FsspecStore(Store):
             raise SizeMismatchError(f"file ends before byte {begin + len(view)}", path=path)
         view[:] = data
 
-    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         todo = sorted(
             ((begin, out.cast("B") if out.format != "B" else out) for begin, out in requests if len(out)),
             key=lambda r: r[0],

@@ -23,6 +23,7 @@ from ..context import decode, encode
 from ..convert.torch_bridge import to_torch
 from ..errors import ContextError, UsageError
 from ..manifest import FieldRecord, Manifest
+from ..read_plan import Target, whole
 from ..reader import Checkpoint
 from ..writer import COORDINATOR, CheckpointWriter
 from . import rng
@@ -451,16 +452,25 @@ def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) ->
     """
     snap = Snapshot()
     targets = targets or {}
+    # One read plan for every tensor of every field: each file's pieces are read together and files in parallel.
+    regions: list[Target] = []
+    likes: list[Any] = []
     for name, record in ckpt.fields.items():
-        if record.kind == "tensors":
-            placed = _placed(name, record, targets)
-            tensors: dict[str, Stored] = dict(
-                ckpt.read_tensors(name, names=[t for t in record.tensors if t not in placed])
-            )
-            for tname, like in placed.items():
+        if record.kind != "tensors":
+            continue
+        placed = _placed(name, record, targets)
+        snap.tensors[name] = {}
+        for tname, tensor in record.tensors.items():
+            like = placed.get(tname)
+            if like is None:
+                regions.append(whole(name, tname, tensor))
+            else:
                 offsets, shape = local_region(like)
-                tensors[tname] = TargetShard(ckpt.read_slice(name, tname, offsets, shape), like)
-            snap.tensors[name] = tensors
+                regions.append(Target(name, tname, tensor.dtype, tuple(offsets), tuple(shape)))
+            likes.append(like)
+    for region, like, array in zip(regions, likes, ckpt.read_regions(regions), strict=True):
+        snap.tensors[region.field][region.tensor] = array if like is None else TargetShard(array, like)
+    for name, record in ckpt.fields.items():
         if record.context is not None:
             snap.contexts[name] = ckpt.read_context(name)
     return snap

@@ -1,0 +1,104 @@
+"""Block digests: a digest per fixed-size block of a raw chunk's stored bytes (spec/blocks.md, format 1.2).
+
+A reader that needs only part of a chunk reads the blocks that part touches and checks each one, instead of
+reading the whole chunk to check its digest. The chunk digest still covers every byte, so readers of 1.0 and
+1.1, which ignore ``blocks`` (VER-5), keep verifying whole chunks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .digests import format_digest, new_hasher
+
+MIN_BLOCK_BYTES = 1 << 12  # BLK-1: a page
+MAX_BLOCK_BYTES = 1 << 30
+DEFAULT_BLOCK_BYTES = 1 << 18  # 256 KiB: a partial read costs at most two blocks more; 1/8192 of the data in hex
+HEX_DIGITS = {"xxh3-128": 32, "sha256": 64}
+_LOWHEX = re.compile(r"[0-9a-f]*")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Blocks:
+    """``digests`` is the hex of every block's digest, back to back, in the chunk digest's algorithm."""
+
+    size: int
+    digests: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"size": self.size, "digests": self.digests}
+
+    def count(self, nbytes: int) -> int:
+        return -(-nbytes // self.size)
+
+    def digest(self, algorithm: str, index: int) -> str:
+        width = HEX_DIGITS[algorithm]
+        return f"{algorithm}:{self.digests[index * width : (index + 1) * width]}"
+
+    def covering(self, nbytes: int, lo: int, hi: int) -> tuple[int, int]:
+        """The chunk-relative byte range ``[lo', hi')`` of the whole blocks that ``[lo, hi)`` touches."""
+        if hi <= lo:
+            return lo, lo
+        return (lo // self.size) * self.size, min(nbytes, -(-hi // self.size) * self.size)
+
+
+def valid_size(size: object) -> bool:
+    """BLK-1: a power of two from 4 KiB to 1 GiB."""
+    return type(size) is int and MIN_BLOCK_BYTES <= size <= MAX_BLOCK_BYTES and size & (size - 1) == 0
+
+
+def problem(raw: object, *, nbytes: int, algorithm: str) -> tuple[str, str] | None:
+    """Why a chunk's ``blocks`` member is malformed, as (message, rule), or None (BLK-1, BLK-2)."""
+    if type(raw) is not dict:
+        return "chunk 'blocks' must be a JSON object", "BLK-1"
+    size, digests = raw.get("size"), raw.get("digests")
+    if not valid_size(size):
+        return (
+            f"blocks 'size' must be a power of two from {MIN_BLOCK_BYTES} to {MAX_BLOCK_BYTES}, got {size!r}",
+            "BLK-1",
+        )
+    assert isinstance(size, int)
+    if type(digests) is not str:
+        return "blocks 'digests' must be a string of hex digits", "BLK-2"
+    want = -(-nbytes // size) * HEX_DIGITS[algorithm]
+    if len(digests) != want or _LOWHEX.fullmatch(digests) is None:
+        return (
+            f"blocks 'digests' must be {want} lowercase hex digits ({-(-nbytes // size)} blocks of {size} bytes "
+            f"under {algorithm}), got {min(len(digests), 10**9)} characters"
+            + ("" if _LOWHEX.fullmatch(digests) else " with a non-hex one"),
+            "BLK-2",
+        )
+    return None
+
+
+class BlockHasher:
+    """The writer's side: feed a chunk's bytes in order, get its ``Blocks``. Each block is hashed as its last
+    byte arrives, so the caller's slices may cut blocks anywhere."""
+
+    def __init__(self, algorithm: str, size: int) -> None:
+        self.algorithm = algorithm
+        self.size = size
+        self._hasher = new_hasher(algorithm)
+        self._filled = 0
+        self._parts: list[str] = []
+
+    def update(self, data: memoryview) -> None:
+        at = 0
+        while at < len(data):
+            take = min(self.size - self._filled, len(data) - at)
+            self._hasher.update(data[at : at + take])
+            self._filled += take
+            at += take
+            if self._filled == self.size:
+                self._finish_block()
+
+    def _finish_block(self) -> None:
+        self._parts.append(format_digest(self.algorithm, self._hasher).partition(":")[2])
+        self._hasher = new_hasher(self.algorithm)
+        self._filled = 0
+
+    def finish(self) -> Blocks:
+        if self._filled:
+            self._finish_block()
+        return Blocks(size=self.size, digests="".join(self._parts))

@@ -1,0 +1,278 @@
+"""Running read plans against a Store: the only layer of the read side that moves tensor bytes.
+
+The executor owns the pool, the file checks (once per file, before its bytes are used), the checks of every
+piece (chunk digest, block digests or the codec's frames), decoding and the strided copies. It calls the
+store and is never called back from it; ranges are merged by the store's ``read_ranges``, which knows what a
+request costs (one ``preadv`` per run of adjacent ranges locally, one GET per run on object stores).
+
+Work is cut into tasks of about ``part`` bytes: many small pieces of a file share one task (one
+``read_ranges`` call), a large piece is split over several (read in parallel, then checked in order by the
+task that completes it, while its bytes are still warm). Bytes land directly in the target arrays where the
+plan says so; only block edges, strided regions and encoded frames are staged. Memory beyond the targets: the
+staging of the pieces in flight.
+
+Page cache: ``keep_cached=False`` asks the store to drop the pages a read brought in once the bytes are in
+the target (local disks: ``POSIX_FADV_DONTNEED``), for one-shot readers such as verification (``ckpt
+verify``), so they do not evict what the training job keeps cached (its dataset). Restores keep them: ranks
+on one node often read the same bytes (``Checkpoint.keep_cached``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .arrays import byte_view
+from .blocks import HEX_DIGITS, BlockHasher
+from .codecs import get_codec
+from .digests import algorithm_of, format_digest, new_hasher
+from .errors import CheckpointError, DigestMismatchError
+from .file_checks import FileChecks
+from .manifest import ChunkRecord
+from .read_plan import Piece, ReadPlan
+from .storage import Store
+
+MIN_PART = 1 << 20
+MAX_PART = 64 << 20
+SCAN_BYTES = 8 << 20  # the unit of a streaming scan (verification): one buffer per file in flight
+_BITS: dict[int, np.dtype[Any]] = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
+
+
+@dataclass(slots=True)
+class _Live:
+    """A piece being read: where its bytes go, and how many of its parts are still to come."""
+
+    piece: Piece
+    array: np.ndarray[Any, Any]
+    parts_left: int
+    field_name: str
+    tensor_name: str
+    segments: list[tuple[int, memoryview]] = field(default_factory=list)  # (file begin, view), tiling the read
+
+    def allocate(self) -> None:
+        p = self.piece
+        if p.direct is None:
+            self.segments = [(p.begin, memoryview(bytearray(p.nbytes)))]
+            return
+        lo, hi, at = p.direct
+        self.segments = []
+        if lo > p.begin:
+            self.segments.append((p.begin, memoryview(bytearray(lo - p.begin))))
+        if hi > lo:
+            self.segments.append((lo, byte_view(self.array)[at : at + hi - lo]))
+        if p.end > hi:
+            self.segments.append((hi, memoryview(bytearray(p.end - hi))))
+
+    def requests(self, begin: int, end: int) -> list[tuple[int, memoryview]]:
+        """The (file offset, view) requests that read ``[begin, end)`` of this piece."""
+        out = []
+        for start, view in self.segments:
+            lo, hi = max(begin, start), min(end, start + len(view))
+            if hi > lo:
+                out.append((lo, view[lo - start : hi - start]))
+        return out
+
+
+class ReadExecutor:
+    def __init__(self, store: Store, checks: FileChecks, *, workers: int = 4, keep_cached: bool = True) -> None:
+        self.store = store
+        self.checks = checks
+        self.workers = max(1, workers)
+        self.keep_cached = keep_cached
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ filling targets
+
+    def fill(self, plan: ReadPlan, *, verify: bool = True) -> list[np.ndarray[Any, Any]]:
+        """The plan's targets, every piece read and checked; nothing is returned if any check fails."""
+        arrays = [np.empty(t.shape, dtype=dtypes.to_numpy(t.dtype)) for t in plan.targets]
+        if not plan.pieces:
+            return arrays
+        by_file = plan.by_file()
+        first = {path: plan.targets[pieces[0].target] for path, pieces in by_file.items()}
+        self._check_files({path: (t.field, t.tensor) for path, t in sorted(first.items())})
+        part = min(MAX_PART, max(MIN_PART, plan.nbytes // (self.workers * 2) + 1))
+        tasks: list[tuple[str, list[tuple[_Live, int, int]]]] = []
+        for path, pieces in by_file.items():
+            task: list[tuple[_Live, int, int]] = []
+            filled = 0
+            for piece in pieces:
+                cuts = list(range(piece.begin, piece.end, part)) or [piece.begin]
+                target = plan.targets[piece.target]
+                live = _Live(piece, arrays[piece.target], len(cuts), target.field, target.tensor)
+                for lo in cuts:
+                    hi = min(piece.end, lo + part)
+                    if task and filled + (hi - lo) > part:
+                        tasks.append((path, task))
+                        task, filled = [], 0
+                    task.append((live, lo, hi))
+                    filled += hi - lo
+            if task:
+                tasks.append((path, task))
+        self._run([functools.partial(self._task, path, parts, verify) for path, parts in tasks])
+        return arrays
+
+    def _check_files(self, readers: Mapping[str, tuple[str, str]]) -> None:
+        """Size and header of every file not checked yet, concurrently; the first error in path order, located
+        at the (field, tensor) ``readers`` names for its file."""
+        todo = [p for p in readers if not self.checks.checked(p)]
+        errors: list[CheckpointError | None] = [None] * len(todo)
+
+        def check(i: int) -> None:
+            try:
+                self.checks.check(todo[i])
+            except CheckpointError as exc:
+                field_name, tensor_name = readers[todo[i]]
+                errors[i] = exc.locate(field=field_name, tensor=tensor_name)
+
+        self._run([functools.partial(check, i) for i in range(len(todo))])
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _task(self, path: str, parts: Sequence[tuple[_Live, int, int]], verify: bool) -> None:
+        requests: list[tuple[int, memoryview]] = []
+        for live, lo, hi in parts:
+            with self._lock:
+                if not live.segments:
+                    live.allocate()
+            requests.extend(live.requests(lo, hi))
+        first = parts[0][0]
+        try:
+            self.store.read_ranges(path, requests, keep_cached=self.keep_cached)
+        except CheckpointError as exc:
+            exc.locate(path=path, field=first.field_name, tensor=first.tensor_name)
+            raise
+        done = []
+        with self._lock:
+            self.bytes_read += sum(hi - lo for _, lo, hi in parts)
+            for live, _, _ in parts:
+                live.parts_left -= 1
+                if live.parts_left == 0:
+                    done.append(live)
+        for live in done:
+            try:
+                _finish(live, verify)
+            except CheckpointError as exc:
+                exc.locate(path=path, field=live.field_name, tensor=live.tensor_name)
+                raise
+            finally:
+                live.segments = []  # staging is freed as soon as its piece is done
+
+    def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run ``jobs`` on the pool; every job finishes, then the first failure (in job order) is raised."""
+        if len(jobs) <= 1 or self.workers == 1:
+            for job in jobs:
+                job()
+            return
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptfmt-read") as pool:
+            futures: list[Future[None]] = [pool.submit(job) for job in jobs]
+        for future in futures:
+            future.result()
+
+    # ------------------------------------------------------------------ streaming scans
+
+    def scan(self, path: str, size: int, consume: Callable[[int, memoryview], None]) -> None:
+        """Every byte of a file, in order, ``SCAN_BYTES`` at a time, handed to ``consume(offset, view)``; the
+        next read is in flight while ``consume`` runs."""
+        if size == 0:
+            return
+        buffers = [memoryview(bytearray(min(SCAN_BYTES, size))) for _ in range(2)]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-scan") as ahead:
+
+            def read(pos: int, buf: memoryview) -> memoryview:
+                view = buf[: min(len(buf), size - pos)]
+                self.store.read_ranges(path, [(pos, view)], keep_cached=self.keep_cached)
+                return view
+
+            pending = ahead.submit(read, 0, buffers[0])
+            pos, turn = 0, 0
+            while pos < size:
+                view = pending.result()
+                nxt = pos + len(view)
+                if nxt < size:
+                    pending = ahead.submit(read, nxt, buffers[1 - turn])
+                consume(pos, view)
+                with self._lock:
+                    self.bytes_read += len(view)
+                pos, turn = nxt, 1 - turn
+
+
+def _finish(live: _Live, verify: bool) -> None:
+    """A piece whose bytes have all arrived: check them, then decode or copy them into the target."""
+    piece, chunk = live.piece, live.piece.chunk
+    views = [view for _, view in live.segments]
+    if verify and piece.check == "chunk":
+        check_chunk(chunk, *views)
+    elif verify and piece.check == "blocks":
+        check_block_views(piece, views)
+    if piece.span is not None:
+        itemsize = live.array.dtype.itemsize
+        raw = memoryview(bytearray(piece.span.raw_end - piece.span.raw_begin))
+        get_codec(chunk.codec.name).decode_into(chunk.codec, views[0], piece.span, raw, itemsize=itemsize)
+        _copy(piece, raw, live.array)
+    elif piece.direct is None:
+        _copy(piece, views[0], live.array)
+
+
+def check_chunk(chunk: ChunkRecord, *views: memoryview) -> None:
+    """DIG-4: raise DigestMismatchError unless the chunk's bytes (``views``, back to back) hash to its digest."""
+    algorithm = algorithm_of(chunk.digest)
+    hasher = new_hasher(algorithm)
+    for view in views:
+        hasher.update(view)
+    actual = format_digest(algorithm, hasher)
+    if actual != chunk.digest:
+        raise DigestMismatchError(
+            f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
+            path=chunk.path,
+            requirement="DIG-4",
+        )
+
+
+def check_block_views(piece: Piece, views: Sequence[memoryview]) -> None:
+    """BLK-5: every whole block read is checked against its digest before any byte of the chunk is used."""
+    chunk, blocks = piece.chunk, piece.chunk.blocks
+    assert blocks is not None
+    algorithm = algorithm_of(chunk.digest)
+    hasher = BlockHasher(algorithm, blocks.size)
+    for view in views:
+        hasher.update(view)
+    found = hasher.finish()
+    width = HEX_DIGITS[algorithm]
+    for i in range(len(found.digests) // width):
+        index = piece.first_block + i
+        if found.digests[i * width : (i + 1) * width] != blocks.digests[index * width : (index + 1) * width]:
+            at = chunk.begin + index * blocks.size
+            raise DigestMismatchError(
+                f"block {index} of chunk {chunk.key!r} (bytes [{at}, {min(at + blocks.size, chunk.end)})) hashes to "
+                f"{found.digest(algorithm, i)}, manifest says {blocks.digest(algorithm, index)}",
+                path=chunk.path,
+                requirement="BLK-5",
+            )
+
+
+def _copy(piece: Piece, raw: memoryview, array: np.ndarray[Any, Any]) -> None:
+    """Copy the piece's box out of raw chunk bytes that start at the chunk's raw byte ``piece.raw_at``."""
+    itemsize = array.dtype.itemsize
+    shape = piece.chunk.shape
+    strides = [itemsize] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    start = sum(s.start * st for s, st in zip(piece.source, strides, strict=True)) - piece.raw_at
+    size = tuple(s.stop - s.start for s in piece.source)
+    if 0 in size:
+        return
+    # By bit pattern: as_strided does not take every dtype (ml_dtypes' floats among them), and a copy is a copy.
+    bits = _BITS.get(itemsize) or np.dtype(f"V{itemsize}")
+    flat = np.frombuffer(raw, dtype=bits, offset=start, count=(len(raw) - start) // itemsize)
+    box = np.lib.stride_tricks.as_strided(flat, shape=size, strides=strides, writeable=False)
+    array.view(bits)[piece.dest] = box

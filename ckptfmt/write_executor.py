@@ -1,0 +1,196 @@
+"""Executing write plans against a Store: the only layer of the write side that moves tensor bytes (plan /
+execute / commit split; reads have their own executor, ``read_executor``).
+
+Writes run on one bounded thread pool per writer; each data file is streamed once, with the file
+digest and every chunk digest computed in the same pass as the write (xxhash and file I/O release
+the GIL, so the pool gives real parallelism).
+
+Encoded files (spec/codecs.md) are encoded on the same pool, in the worker that writes them: the
+header of a safetensors file needs every entry's stored size, so such a file is built in memory
+(at most ``plan.ENCODED_FILE_BYTES`` of raw data, ~that much encoded) and then streamed.
+
+Memory bound of a write: references (never copies) to the arrays of at most ``workers + 1`` files,
+plus per worker one ``SLICE_BYTES`` slice in flight, or one encoded file and one frame's byte planes,
+and (local stores) one staging buffer of ``storage.direct.BUFFER_BYTES``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .arrays import byte_view
+from .blocks import BlockHasher, Blocks
+from .codecs import get_codec
+from .digests import format_digest, new_hasher
+from .manifest import RAW, ChunkRecord, Codec, FileRecord
+from .plan import FilePlan, PlacedChunk
+from .safetensors_io import build_header
+from .storage import Store
+
+# The unit of the write pass: each slice is hashed for the file, hashed for its chunk and handed to the store
+# while it is still in the CPU's cache (1 MiB: 2.6 GB/s into a tmpfs here, against 0.84 GB/s with 16 MiB
+# slices, whose second and third passes went to memory again). I/O sizes are the store's own (an 8 MiB
+# staging buffer locally, 16 MiB multipart parts on object stores).
+SLICE_BYTES = 1 << 20
+
+
+def stream_file(
+    store: Store,
+    path: str,
+    parts: Sequence[memoryview],
+    *,
+    chunk_parts: int,
+    algorithm: str,
+    block_sizes: Sequence[int | None] = (),
+) -> tuple[FileRecord, list[tuple[int, int, str, Blocks | None]]]:
+    """Write ``parts`` back to back as a new file, durably; the last ``chunk_parts`` parts are chunks.
+
+    ``block_sizes`` gives, per chunk part, the block size of its block digests (None: none). Returns the file
+    record and each chunk's ``(begin, end, digest, blocks)``, all hashed in the same pass, slice by slice.
+    """
+    out = store.create(path)
+    file_hash = new_hasher(algorithm)
+    spans: list[tuple[int, int, str, Blocks | None]] = []
+    position = 0
+    first_chunk = len(parts) - chunk_parts
+    try:
+        for index, part in enumerate(parts):
+            chunk_hash = new_hasher(algorithm) if index >= first_chunk else None
+            size = block_sizes[index - first_chunk] if chunk_hash is not None and block_sizes else None
+            blocks = BlockHasher(algorithm, size) if size is not None else None
+            for lo in range(0, len(part), SLICE_BYTES):
+                piece = part[lo : lo + SLICE_BYTES]
+                file_hash.update(piece)
+                if chunk_hash is not None:
+                    chunk_hash.update(piece)
+                if blocks is not None:
+                    blocks.update(piece)
+                out.write(piece)
+            if chunk_hash is not None:
+                digest = format_digest(algorithm, chunk_hash)
+                spans.append((position, position + len(part), digest, None if blocks is None else blocks.finish()))
+            position += len(part)
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    return FileRecord(path=path, size=position, digest=format_digest(algorithm, file_hash)), spans
+
+
+class WriteExecutor:
+    """Runs one rank's file plans on a bounded pool and collects the records of what it wrote."""
+
+    def __init__(self, store: Store, *, algorithm: str, workers: int, block_bytes: int | None = None) -> None:
+        self.store = store
+        self.algorithm = algorithm
+        self.block_bytes = block_bytes  # raw chunks larger than this get block digests (spec/blocks.md)
+        self.files: dict[str, FileRecord] = {}
+        self.chunks: list[PlacedChunk] = []
+        self.written: list[str] = []  # every path published, in order, for abort
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write")
+        self._inflight: list[Future[None]] = []
+        self._max_inflight = workers
+
+    def submit(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
+        """Queue one data file; blocks while ``workers`` files are already in flight (the memory bound)."""
+        self.drain(self._max_inflight - 1)
+        self._inflight.append(self._pool.submit(self._write_data_file, plan, arrays))
+
+    def write_blob(self, path: str, data: bytes) -> FileRecord:
+        """Write a small blob (a context map) synchronously."""
+        record, _ = stream_file(self.store, path, [memoryview(data)], chunk_parts=0, algorithm=self.algorithm)
+        self._record(record)
+        return record
+
+    def raise_background_error(self) -> None:
+        """Re-raise the first failure of a finished background write, if any."""
+        if any(f.done() and f.exception() is not None for f in self._inflight):
+            self.drain(0)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` files are in flight, raising the first failure."""
+        while len(self._inflight) > keep:
+            self._inflight.pop(0).result()
+
+    def shutdown(self) -> None:
+        """Wait for every write (errors are moot here: the caller is committing or aborting)."""
+        for future in self._inflight:
+            future.exception()
+        self._inflight.clear()
+        self._pool.shutdown()
+
+    def _record(self, record: FileRecord) -> None:
+        with self._lock:
+            self.written.append(record.path)
+            self.files[record.path] = record
+
+    def _write_data_file(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
+        views: list[memoryview] = []
+        codecs: list[Codec] = []
+        header_entries: list[tuple[str, str, tuple[int, ...], int]] = []
+        for e, array in zip(plan.entries, arrays, strict=True):
+            view = byte_view(array)
+            if not e.encoded:
+                views.append(view)
+                codecs.append(Codec())
+                header_entries.append((e.key, e.dtype, e.shape, e.nbytes))
+                continue
+            # Header building follows encoding: an encoded entry is a U8 entry of its stored size (COD-3).
+            encoded = get_codec(e.codec.name).encode(
+                view,
+                dtype=e.dtype,
+                itemsize=dtypes.itemsize(e.dtype),
+                level=e.codec.level,
+                frame_bytes=e.codec.frame_bytes,
+            )
+            stored = encoded.parts[0] if len(encoded.parts) == 1 else b"".join(encoded.parts)
+            views.append(memoryview(stored))
+            codecs.append(Codec(name=e.codec.name, configuration=encoded.configuration))
+            header_entries.append((e.key, "U8", (len(stored),), len(stored)))
+        header, starts = build_header(header_entries)
+        block = self.block_bytes
+        sizes = [
+            block if block and c.name == RAW and len(v) > block else None for v, c in zip(views, codecs, strict=True)
+        ]
+        record, spans = stream_file(
+            self.store,
+            plan.path,
+            [memoryview(header), *views],
+            chunk_parts=len(views),
+            algorithm=self.algorithm,
+            block_sizes=sizes,
+        )
+        assert [s[0] for s in spans] == starts
+        placed = [
+            PlacedChunk(
+                field=e.field,
+                tensor=e.tensor,
+                dtype=e.dtype,
+                global_shape=e.global_shape,
+                chunk=ChunkRecord(
+                    path=plan.path,
+                    key=e.key,
+                    offsets=e.offsets,
+                    shape=e.shape,
+                    begin=begin,
+                    end=end,
+                    digest=digest,
+                    codec=codec,
+                    blocks=blocks,
+                ),
+            )
+            for e, (begin, end, digest, blocks), codec in zip(plan.entries, spans, codecs, strict=True)
+        ]
+        self._record(record)
+        with self._lock:
+            self.chunks.extend(placed)
+
+
+__all__ = ["SLICE_BYTES", "WriteExecutor", "stream_file"]
