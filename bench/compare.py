@@ -1,6 +1,11 @@
 """One benchmark of ckptfmt against every peer, in one run: save, load, verify, size, peak memory.
 
     python bench/compare.py [--size 1GiB] [--repeat 3] [--dir PATH] [--model PATH] [--json OUT] [--quick]
+                            [--only all|states|disk]
+
+``--only disk``: the machine as the peer, on 64 fp32 tensors of ``--size``/64 (see disk_section): the save against
+an O_DIRECT write of the same bytes (ratio's spread, the save's time split), the whole load, ``ckptfmt.verify()``
+and ``ckpt verify`` (the command, as a process) against ``cat`` of the files, cold by posix_fadvise (no root).
 
 States (generated, deterministic): ``fp32-adam`` (fp32 weights with Adam's exp_avg and exp_avg_sq,
 as a training checkpoint holds them) and ``bf16`` (bf16 weights); each ``--size`` bytes.
@@ -166,6 +171,9 @@ def measure(
     (the state of a save included in the baseline: only what the saver adds counts)."""
     import ckptfmt  # imports are not what is measured
 
+    if op == "ckptfmt-split":
+        return instrumented_save(state if state is not None else flat_state(size), path)
+
     if op.startswith(("torch", "dcp")):
         import torch
         import torch.distributed.checkpoint  # noqa: F401
@@ -180,8 +188,11 @@ def measure(
         _save(op, state, path)
     elif op in LOADS:
         _load(op, path, names)
-    elif op == "verify":
+    elif op in ("verify", "verify-warm"):
         assert ckptfmt.verify(str(path)).ok
+        if op == "verify-warm":  # the call above read the files into the page cache: time a second one
+            started = time.perf_counter()
+            assert ckptfmt.verify(str(path)).ok
     elif op == "cat":
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
     seconds = time.perf_counter() - started
@@ -355,6 +366,240 @@ def adam_sizes(model_dir: Path, steps: int = 30) -> dict[str, dict[str, float]]:
     return out
 
 
+# ----------------------------------------------------------------------------- the disk section (issue 24)
+# One checkpoint of DISK_TENSORS fp32 tensors of --size / DISK_TENSORS each, measured against the machine itself:
+# its save against the disk's O_DIRECT write of the same bytes, its whole load and its verify (the library call
+# and the `ckpt verify` command) against `cat` of its files, every read cold.
+
+DISK_TENSORS = 64
+DISK_READS = ["ckptfmt", "verify", "verify-warm", "ckpt-verify", "ckpt-verify-quiet", "cat", "cat-warm", "ckpt-help"]
+
+
+def flat_state(size: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    n = max(1024, size // DISK_TENSORS // 4)
+    return {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i in range(DISK_TENSORS)}
+
+
+def filesystem(path: Path) -> str:
+    """The filesystem ``path`` is on, as df names it (type, device, mount point)."""
+    proc = subprocess.run(
+        ["df", "--output=fstype,source,target", str(path)], capture_output=True, text=True, check=False
+    )
+    fields = proc.stdout.strip().splitlines()[-1].split() if proc.returncode == 0 else ["?", "?", "?"]
+    return f"{fields[0]} ({fields[1]} on {fields[2]})"
+
+
+def evict(files: list[Path]) -> None:
+    """Drop ``files`` from the page cache without root: fsync (dirty pages stay), then POSIX_FADV_DONTNEED."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def direct_write(path: Path, nbytes: int) -> dict[str, float]:
+    """The disk's own write speed: ``nbytes`` from one page-aligned 64 MiB buffer with O_DIRECT, then fsync."""
+    import mmap
+
+    chunk = min(64 * MiB, -(-nbytes // 4096) * 4096)
+    buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
+    buffer.write(np.random.default_rng(1).bytes(chunk))
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, view[: min(chunk, -(-(nbytes - written) // 4096) * 4096)])
+        wrote = time.perf_counter()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    ended = time.perf_counter()
+    view.release()
+    buffer.close()
+    path.unlink()
+    return {"seconds": ended - started, "write_s": wrote - started, "fsync_s": ended - wrote}
+
+
+def instrumented_save(state: dict[str, np.ndarray[Any, Any]], out: Path) -> dict[str, float]:
+    """A ckptfmt raw save with its time split: thread-seconds inside os.write, os.fsync and xxh3 updates
+    (the writer's threads overlap, so the parts can sum to more than the wall time)."""
+    import threading
+
+    import xxhash
+
+    from ckptfmt.storage import open_store
+    from ckptfmt.writer import CheckpointWriter
+
+    totals = {"write_s": 0.0, "fsync_s": 0.0, "hash_s": 0.0}
+    lock = threading.Lock()
+    real = {"write": os.write, "pwrite": os.pwrite, "fsync": os.fsync, "xxh3": xxhash.xxh3_128}
+
+    def add(key: str, since: float) -> None:
+        with lock:
+            totals[key] += time.perf_counter() - since
+
+    def write(fd: int, data: Any) -> int:
+        t = time.perf_counter()
+        try:
+            return int(real["write"](fd, data))
+        finally:
+            add("write_s", t)
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        t = time.perf_counter()
+        try:
+            return int(real["pwrite"](fd, data, offset))
+        finally:
+            add("write_s", t)
+
+    def fsync(fd: Any) -> None:
+        t = time.perf_counter()
+        try:
+            real["fsync"](fd)
+        finally:
+            add("fsync_s", t)
+
+    class Hasher:
+        def __init__(self, *args: Any) -> None:
+            self._h = real["xxh3"](*args)
+
+        def update(self, data: Any) -> None:
+            t = time.perf_counter()
+            self._h.update(data)
+            add("hash_s", t)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._h, name)
+
+    os.write, os.pwrite, os.fsync, xxhash.xxh3_128 = write, pwrite, fsync, Hasher  # type: ignore[assignment, misc]
+    try:
+        started = time.perf_counter()
+        with CheckpointWriter(open_store(str(out)), profile="weights") as w:
+            for name, a in state.items():
+                w.write_tensor("weights", name, a)
+        seconds = time.perf_counter() - started
+    finally:
+        os.write, os.pwrite, os.fsync, xxhash.xxh3_128 = real["write"], real["pwrite"], real["fsync"], real["xxh3"]  # type: ignore[assignment]
+    return {"seconds": seconds, **totals}
+
+
+def ckpt_command() -> list[str]:
+    """How ``ckpt`` is installed beside this interpreter (the console script), else ``python -m ckptfmt``."""
+    script = Path(sys.executable).parent / "ckpt"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ckptfmt"]
+
+
+def timed_command(cmd: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - started
+
+
+def disk_section(base: Path, size: int, repeat: int, *, quick: bool, warm: int) -> dict[str, Any]:
+    """Save against O_DIRECT, load and verify against cold `cat`, on one DISK_TENSORS-tensor checkpoint."""
+    state = flat_state(size)
+    nbytes = sum(a.nbytes for a in state.values())
+    root = base / "disk"
+    root.mkdir(parents=True)
+    (root / "shapes.json").write_text(json.dumps({n: ("F32", list(a.shape)) for n, a in state.items()}))
+    inline = state if quick else None
+    saves: list[dict[str, Any]] = []
+    reads: dict[str, list[float]] = {}
+    for r in range(repeat):
+        path = root / f"ckpt-{r}"
+        pair = ["odirect", "ckptfmt"] if r % 2 == 0 else ["ckptfmt", "odirect"]
+        row: dict[str, Any] = {}
+        for op in pair:
+            os.sync()  # no dirty pages of an earlier step competing for the disk
+            if op == "odirect":
+                row["odirect"] = direct_write(root / "odirect.bin", nbytes)
+            else:
+                row["ckptfmt"] = run_child("ckptfmt-split", "flat64", size, path, inline, warm=warm)
+        row["ratio"] = row["odirect"]["seconds"] / row["ckptfmt"]["seconds"]
+        saves.append(row)
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        order = DISK_READS[r % len(DISK_READS) :] + DISK_READS[: r % len(DISK_READS)]
+        for op in order:
+            evict(files)
+            if op in ("cat", "cat-warm"):
+                if op == "cat-warm":
+                    timed_command(["cat", *map(str, files)])  # fills the cache: the timed run below is warm
+                seconds = timed_command(["cat", *map(str, files)])
+            elif op == "ckpt-verify":
+                seconds = timed_command([*ckpt_command(), "verify", str(path)])
+            elif op == "ckpt-verify-quiet":
+                seconds = timed_command([*ckpt_command(), "verify", "--quiet", str(path)])
+            elif op == "ckpt-help":
+                seconds = timed_command([*ckpt_command(), "--help"])
+            else:
+                seconds = run_child(op, "flat64", size, path, inline, warm=warm)["seconds"]
+            reads.setdefault(op, []).append(seconds)
+        shutil.rmtree(path)
+    return {
+        "filesystem": filesystem(root),
+        "bytes": nbytes,
+        "tensors": DISK_TENSORS,
+        "repeat": repeat,
+        "saves": saves,
+        "reads": reads,
+    }
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    """Median, min, max and (max / min - 1) of ``values``: the run-to-run swing, in one line."""
+    med, low, high = statistics.median(values), min(values), max(values)
+    return f"median {med:.{digits}f}, min {low:.{digits}f}, max {high:.{digits}f}, spread {high / low - 1:.0%}"
+
+
+def print_disk_section(d: dict[str, Any]) -> None:
+    nbytes = d["bytes"]
+    print(
+        f"\n{d['tensors']} fp32 tensors, {nbytes / MiB:.0f} MiB, on {d['filesystem']}; {d['repeat']} repetitions;"
+        " reads cold (each file fsynced, then posix_fadvise DONTNEED) unless marked warm"
+    )
+    reads = d["reads"]
+    cat = statistics.median(reads["cat"])
+    print("\n| read | seconds (median) | min-max | MB/s | cat cold / this |")
+    print("| --- | --- | --- | --- | --- |")
+    labels = {
+        "ckptfmt": "ckptfmt whole load (every page touched)",
+        "verify": "ckptfmt.verify() in-process",
+        "verify-warm": "ckptfmt.verify() in-process, warm cache",
+        "ckpt-verify": "`ckpt verify DIR` (process)",
+        "ckpt-verify-quiet": "`ckpt verify --quiet DIR` (process)",
+        "cat": "cat of the files",
+        "cat-warm": "cat of the files, warm cache",
+        "ckpt-help": "`ckpt --help` (process start, no I/O)",
+    }
+    for op in DISK_READS:
+        s = statistics.median(reads[op])
+        mbps = "" if op == "ckpt-help" else f"{nbytes / s / 1e6:.0f}"
+        print(f"| {labels[op]} | {s:.3f} | {min(reads[op]):.3f}-{max(reads[op]):.3f} | {mbps} | {cat / s:.2f} |")
+    print(
+        "\n| save rep | O_DIRECT MB/s (write / fsync s) | ckptfmt MB/s | ratio"
+        " | ckptfmt thread-s: write / fsync / xxh3 |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for i, row in enumerate(d["saves"]):
+        o, c = row["odirect"], row["ckptfmt"]
+        print(
+            f"| {i} | {nbytes / o['seconds'] / 1e6:.0f} ({o['write_s']:.3f} / {o['fsync_s']:.3f}) "
+            f"| {nbytes / c['seconds'] / 1e6:.0f} | {row['ratio']:.2f} "
+            f"| {c['write_s']:.3f} / {c['fsync_s']:.3f} / {c['hash_s']:.3f} |"
+        )
+    ratios = [row["ratio"] for row in d["saves"]]
+    odirect = [nbytes / row["odirect"]["seconds"] / 1e6 for row in d["saves"]]
+    ckpt = [nbytes / row["ckptfmt"]["seconds"] / 1e6 for row in d["saves"]]
+    print(f"save ratio (ckptfmt MB/s / O_DIRECT MB/s, same repetition): {spread(ratios)}")
+    print(f"O_DIRECT MB/s: {spread(odirect, 0)}; ckptfmt save MB/s: {spread(ckpt, 0)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1GiB", help="bytes per state (default 1GiB)")
@@ -367,6 +612,12 @@ def main() -> None:
         "--cold-memory",
         action="store_true",
         help="do not warm memory before each measurement (see warm_memory: on a VM, order then decides)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["all", "states", "disk"],
+        default="all",
+        help="states: the peers' table; disk: save against O_DIRECT, load and verify against cold cat (64 tensors)",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--state", default="fp32-adam", help=argparse.SUPPRESS)
@@ -388,52 +639,55 @@ def main() -> None:
     warm = 0 if args.quick or args.cold_memory else min(4 * size, available // 2)
     report: dict[str, Any] = {"size": size, "repeat": repeat, "cold_cache": cold, "warmed_bytes": warm}
     try:
-        write_bps, read_bps = disk_speed(base, min(size, 256 * MiB) if args.quick else size)
-        report["disk"] = {"write_MBps": write_bps / 1e6, "read_MBps": read_bps / 1e6}
-        for state in STATES:
-            tensors = make_state(state, size)
-            shapes = {
-                n: ("BF16" if a.dtype == ml_dtypes.bfloat16 else "F32", list(a.shape)) for n, a in tensors.items()
-            }
-            stored: int | None = None
-            inline = tensors if args.quick else None  # --quick: one interpreter, so torch is imported once
-            for r in range(repeat):
-                # alternate: the order of the savers rotates each repetition
-                order = SAVES[r % len(SAVES) :] + SAVES[: r % len(SAVES)]
-                for op in order:
-                    target = base / state / f"{op}-{r}"
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    (target.parent / "shapes.json").write_text(json.dumps(shapes))
-                    results[state].setdefault(op, []).append(run_child(op, state, size, target, inline, warm=warm))
-                    if op == "ckptfmt-zstd":
-                        stored = tree_size(target)
-                source = {
-                    "ckptfmt": "ckptfmt-raw",
-                    "ckptfmt-one-tensor": "ckptfmt-raw",
-                    "ckptfmt-mmap": "ckptfmt-raw",
-                    "safetensors.load_file": "safetensors",
-                    "torch.load-mmap": "torch.save",
-                    "dcp.load": "dcp.save",
+        if args.only in ("all", "disk"):
+            report["disk_section"] = disk_section(base, size, repeat, quick=args.quick, warm=warm)
+        if args.only in ("all", "states"):
+            write_bps, read_bps = disk_speed(base, min(size, 256 * MiB) if args.quick else size)
+            report["disk"] = {"write_MBps": write_bps / 1e6, "read_MBps": read_bps / 1e6}
+            for state in STATES:
+                tensors = make_state(state, size)
+                shapes = {
+                    n: ("BF16" if a.dtype == ml_dtypes.bfloat16 else "F32", list(a.shape)) for n, a in tensors.items()
                 }
-                for op in LOADS[r % len(LOADS) :] + LOADS[: r % len(LOADS)]:
-                    if cold:
-                        drop_caches()
-                    results[state].setdefault(op, []).append(
-                        run_child(op, state, size, base / state / f"{source[op]}-{r}", inline, warm=warm)
-                    )
-                for op in ("verify", "cat") if r % 2 == 0 else ("cat", "verify"):
-                    if cold:
-                        drop_caches()
-                    results[state].setdefault(op, []).append(
-                        run_child(op, state, size, base / state / f"ckptfmt-raw-{r}", inline, warm=warm)
-                    )
-                for op in SAVES:
-                    shutil.rmtree(base / state / f"{op}-{r}", ignore_errors=True)
-            report.setdefault("sizes", {})[state] = sizes(tensors, stored)
-            del tensors
-        model = Path(args.model) if args.model else default_model(out_root)
-        if model is not None and model.exists():
-            report["model"] = {"path": str(model), **model_sizes(model)}
+                stored: int | None = None
+                inline = tensors if args.quick else None  # --quick: one interpreter, so torch is imported once
+                for r in range(repeat):
+                    # alternate: the order of the savers rotates each repetition
+                    order = SAVES[r % len(SAVES) :] + SAVES[: r % len(SAVES)]
+                    for op in order:
+                        target = base / state / f"{op}-{r}"
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        (target.parent / "shapes.json").write_text(json.dumps(shapes))
+                        results[state].setdefault(op, []).append(run_child(op, state, size, target, inline, warm=warm))
+                        if op == "ckptfmt-zstd":
+                            stored = tree_size(target)
+                    source = {
+                        "ckptfmt": "ckptfmt-raw",
+                        "ckptfmt-one-tensor": "ckptfmt-raw",
+                        "ckptfmt-mmap": "ckptfmt-raw",
+                        "safetensors.load_file": "safetensors",
+                        "torch.load-mmap": "torch.save",
+                        "dcp.load": "dcp.save",
+                    }
+                    for op in LOADS[r % len(LOADS) :] + LOADS[: r % len(LOADS)]:
+                        if cold:
+                            drop_caches()
+                        results[state].setdefault(op, []).append(
+                            run_child(op, state, size, base / state / f"{source[op]}-{r}", inline, warm=warm)
+                        )
+                    for op in ("verify", "cat") if r % 2 == 0 else ("cat", "verify"):
+                        if cold:
+                            drop_caches()
+                        results[state].setdefault(op, []).append(
+                            run_child(op, state, size, base / state / f"ckptfmt-raw-{r}", inline, warm=warm)
+                        )
+                    for op in SAVES:
+                        shutil.rmtree(base / state / f"{op}-{r}", ignore_errors=True)
+                report.setdefault("sizes", {})[state] = sizes(tensors, stored)
+                del tensors
+            model = Path(args.model) if args.model else default_model(out_root)
+            if model is not None and model.exists():
+                report["model"] = {"path": str(model), **model_sizes(model)}
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report["results"] = {
@@ -446,7 +700,10 @@ def main() -> None:
         }
         for s, ops in results.items()
     }
-    print_table(report)
+    if args.only in ("all", "states"):
+        print_table(report)
+    if "disk_section" in report:
+        print_disk_section(report["disk_section"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

@@ -1,14 +1,17 @@
 """Multi-rank save and load: ckptfmt beside torch DCP, on 1, 2 and 4 gloo ranks (CPU), in one run.
 
-    python bench/multirank.py [--size-mib 256] [--repeat 3]
+    python bench/multirank.py [--size-mib 256] [--repeat 3] [--json OUT] [--dir DIR]
 
 Each configuration starts its ranks as processes on this machine. A model of ``--size-mib`` of fp32
 parameters is sharded with FSDP2 (``fully_shard``) over the ranks, given AdamW state by one step, then
 saved and loaded by ckptfmt (``ckptfmt.torch.save``/``load``) and by DCP (``dcp.save``/``dcp.load`` of
 the same state dicts), alternating, medians of ``--repeat``; every save is made durable (ckptfmt
-fsyncs; DCP's files are fsynced by its writer) and the page cache is dropped before each load where
-the machine allows. It also loads the 4-rank ckptfmt checkpoint on 3 ranks and reports the bytes each
-rank read against the checkpoint's size. Prints one table; writes nothing outside ``--out``.
+fsyncs; DCP's files are fsynced by its writer) and the checkpoint's files are evicted from the page cache
+before each load (fsync + ``posix_fadvise(DONTNEED)`` per file, which needs no root). It also loads the
+4-rank ckptfmt checkpoint on 3 and on 2 ranks (the load path's ``read_snapshot``) and reports the tensor
+bytes each rank fetched (``Checkpoint.bytes_read``) over the checkpoint's tensor bytes (the sum of its
+chunks' stored sizes): the ideal is 1/3 and 1/2. Prints markdown tables (``--json OUT``: the figures);
+writes nothing outside ``--dir`` (default: a temp dir under bench/out, on the disk).
 """
 
 from __future__ import annotations
@@ -27,12 +30,21 @@ from pathlib import Path
 from typing import Any
 
 
-def _drop_caches() -> None:
-    subprocess.run(["sync"], check=False)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
+def evict(path: Path) -> None:
+    """Drop ``path``'s files from the page cache: fsync each (dirty pages are not dropped), then DONTNEED."""
+    for file in path.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def tensor_bytes(ckpt: Any) -> int:
+    """The checkpoint's tensor bytes as stored: what ``bytes_read`` counts when every chunk is read once."""
+    return sum(c.nbytes for f in ckpt.fields.values() for t in f.tensors.values() for c in t.chunks)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -76,20 +88,16 @@ def worker(args: argparse.Namespace) -> None:
         for i in range(args.repeat):
             url = out / f"ckptfmt-{world}-{i}"
             dcp_dir = out / f"dcp-{world}-{i}"
-            result.setdefault("ckptfmt_save", []).append(
-                timed(lambda: ct.save(url, step=1, model=model, optimizer=optimizer, config=config, sampler=sampler))
-            )
-            msd, osd = get_state_dict(model, optimizer)
-            result.setdefault("dcp_save", []).append(
-                timed(lambda: dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir)))
-            )
-            if rank == 0:
-                _drop_caches()
-            result.setdefault("ckptfmt_load", []).append(
-                timed(lambda: ct.load(url, model=model, optimizer=optimizer, config=config, sampler=sampler))
-            )
-            if rank == 0:
-                _drop_caches()
+
+            def ckptfmt_save() -> None:
+                ct.save(url, step=1, model=model, optimizer=optimizer, config=config, sampler=sampler)
+
+            def dcp_save() -> None:
+                msd, osd = get_state_dict(model, optimizer)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir))
+
+            def ckptfmt_load() -> None:
+                ct.load(url, model=model, optimizer=optimizer, config=config, sampler=sampler)
 
             def dcp_load() -> None:
                 msd2, osd2 = get_state_dict(model, optimizer)
@@ -97,18 +105,43 @@ def worker(args: argparse.Namespace) -> None:
                 dcp.load(state, checkpoint_id=str(dcp_dir))
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-            result.setdefault("dcp_load", []).append(timed(dcp_load))
-        if world == 4:
-            keep = out / "ckptfmt-4-keep"
-            if rank == 0 and keep.exists():
-                shutil.rmtree(keep)
+            # the order alternates each repetition, so neither side always runs first
+            saves = [("ckptfmt_save", ckptfmt_save), ("dcp_save", dcp_save)]
+            loads = [("ckptfmt_load", ckptfmt_load, url), ("dcp_load", dcp_load, dcp_dir)]
+            for key, fn in saves if i % 2 == 0 else saves[::-1]:
+                result.setdefault(key, []).append(timed(fn))
+            for key, fn, path in loads if i % 2 == 0 else loads[::-1]:
+                if rank == 0:
+                    evict(path)  # cold: the files were just written, so all of them are cached
+                result.setdefault(key, []).append(timed(fn))
+        if world == 4:  # kept for the reshard runs (4 -> 3, 4 -> 2)
+            keep, dcp_keep = out / "ckptfmt-4-keep", out / "dcp-4-keep"
+            if rank == 0:
+                shutil.rmtree(keep, ignore_errors=True)
+                shutil.rmtree(dcp_keep, ignore_errors=True)
             dist.barrier()
             ct.save(keep, step=1, model=model, optimizer=optimizer, config=config, sampler=sampler)
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_keep))
     elif args.mode == "bytes":
-        ckpt = ckptfmt.open(out / "ckptfmt-4-keep")
-        st.read_snapshot(ckpt, st.load_targets(model))
-        result["bytes_read"] = ckpt.bytes_read
-        result["checkpoint_bytes"] = ckpt.manifest.total_bytes
+        keep, dcp_keep = out / "ckptfmt-4-keep", out / "dcp-4-keep"
+        if rank == 0:
+            evict(keep)
+            evict(dcp_keep)
+
+        def ckptfmt_read() -> None:
+            with ckptfmt.open(keep) as ckpt:
+                st.read_snapshot(ckpt, st.load_targets(model))  # what ct.load reads, before applying it
+                result["bytes_read"] = ckpt.bytes_read
+                result["tensor_bytes"] = tensor_bytes(ckpt)
+                result["file_bytes"] = ckpt.manifest.total_bytes
+
+        def dcp_load() -> None:
+            msd2, osd2 = get_state_dict(model, optimizer)
+            dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(dcp_keep))
+
+        result["ckptfmt_read"] = timed(ckptfmt_read)
+        result["dcp_load"] = timed(dcp_load)
     (out / f"result-{args.mode}-{world}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -134,32 +167,81 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--mode", default="saveload")
+    parser.add_argument("--json", default=None, help="write the figures here as JSON")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under bench/out)")
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="saveload", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    with tempfile.TemporaryDirectory(prefix="ckptfmt-bench-") as tmp:
-        args.out = args.out or tmp
-        print(f"{args.size_mib} MiB of fp32 parameters (+ AdamW moments), FSDP2 over gloo on this machine")
-        head = ("ranks", "ckptfmt save", "DCP save", "ratio", "ckptfmt load", "DCP load", "ratio")
-        print(" ".join(f"{h:>{w}}" for h, w in zip(head, (5, 13, 9, 6, 13, 9, 6), strict=True)))
-        for world in (1, 2, 4):
-            rows = launch("saveload", world, args)
-            med = {k: statistics.median(max(r[k][i] for r in rows) for i in range(args.repeat)) for k in rows[0]}
-            save, dsave, load, dload = (med[k] for k in ("ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"))
-            print(
-                f"{world:>5} {save:>12.2f}s {dsave:>8.2f}s {dsave / save:>5.2f}x"
-                f" {load:>12.2f}s {dload:>8.2f}s {dload / load:>5.2f}x"
-            )
-        rows = launch("bytes", 3, args)
-        total = rows[0]["checkpoint_bytes"]
-        per_rank = ", ".join(f"rank {i}: {r['bytes_read'] / total:.3f}" for i, r in enumerate(rows))
-        read_sum = sum(r["bytes_read"] for r in rows) / total
-        print(f"4 -> 3 ranks: tensor bytes read / checkpoint size: {per_rank}; sum {read_sum:.3f}")
-        print("ratio = DCP time / ckptfmt time (above 1: ckptfmt faster)")
+    root = Path(args.dir) if args.dir else Path(__file__).parent / "out"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="multirank-", dir=root) as tmp:
+        args.out = tmp
+        report = run(args)
+    print_tables(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {"size_mib": args.size_mib, "repeat": args.repeat, "worlds": {}, "reshard": {}}
+    for world in (1, 2, 4):
+        rows = launch("saveload", world, args)
+        # a step takes as long as its slowest rank: the max over ranks of each repetition, then the median
+        report["worlds"][str(world)] = {
+            k: statistics.median(max(r[k][i] for r in rows) for i in range(args.repeat)) for k in rows[0]
+        }
+    for world in (3, 2):
+        rows = launch("bytes", world, args)
+        total = rows[0]["tensor_bytes"]
+        report["reshard"][f"4->{world}"] = {
+            "tensor_bytes": total,
+            "file_bytes": rows[0]["file_bytes"],
+            "per_rank": [r["bytes_read"] / total for r in rows],
+            "sum": sum(r["bytes_read"] for r in rows) / total,
+            "ideal": 1 / world,
+            "ckptfmt_read": max(r["ckptfmt_read"] for r in rows),
+            "dcp_load": max(r["dcp_load"] for r in rows),
+        }
+    return report
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    print(
+        f"{report['size_mib']} MiB of fp32 parameters (+ AdamW moments), FSDP2 over gloo on this machine; "
+        f"median of {report['repeat']} (each the slowest rank); ratio = DCP time / ckptfmt time (>1: ckptfmt faster)"
+    )
+    print()
+    print("| ranks | ckptfmt save | DCP save | save ratio | ckptfmt load | DCP load | load ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for world, m in report["worlds"].items():
+        save, dsave, load, dload = (m[k] for k in ("ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"))
+        print(
+            f"| {world} | {save:.2f} s | {dsave:.2f} s | {dsave / save:.2f} | {load:.2f} s | {dload:.2f} s "
+            f"| {dload / load:.2f} |"
+        )
+    print()
+    print(
+        "| 4-rank checkpoint loaded on | tensor bytes read per rank / checkpoint's | sum | ideal per rank "
+        "| ckptfmt read | DCP load | ratio |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, m in report["reshard"].items():
+        per_rank = " / ".join(f"{f:.3f}" for f in m["per_rank"])
+        print(
+            f"| {label.split('->')[1]} ranks | {per_rank} | {m['sum']:.3f} | {m['ideal']:.3f} "
+            f"| {m['ckptfmt_read']:.2f} s | {m['dcp_load']:.2f} s | {m['dcp_load'] / m['ckptfmt_read']:.2f} |"
+        )
+    some = next(iter(report["reshard"].values()))
+    tensor_mib, file_mib = some["tensor_bytes"] / (1 << 20), some["file_bytes"] / (1 << 20)
+    print(
+        f"\ncheckpoint tensor bytes {tensor_mib:.1f} MiB (files {file_mib:.1f} MiB);"
+        " cold: each checkpoint's files evicted from the page cache before each load; a reshard's ckptfmt"
+        " read is read_snapshot (read and verified, not applied), DCP's is dcp.load into the state dicts"
+    )
 
 
 if __name__ == "__main__":

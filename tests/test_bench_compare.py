@@ -44,4 +44,22 @@ def test_quick_run_measures_every_peer_and_compresses(tmp_path: Path) -> None:
         # byte grouping beats plain zstd on float states, which compress at all
         assert sizes["ckptfmt-zstd"] < sizes["zstd-1"] < 1.0
     assert "disk: write+fsync" in proc.stdout and "safetensors.load_file" in proc.stdout
+    # the disk section: save against O_DIRECT, load and verify (library call and command) against cold cat
+    disk = report["disk_section"]
+    assert disk["tensors"] == 64 and disk["filesystem"]
+    assert set(disk["reads"]) == {
+        "ckptfmt",
+        "verify",
+        "verify-warm",
+        "ckpt-verify",
+        "ckpt-verify-quiet",
+        "cat",
+        "cat-warm",
+        "ckpt-help",
+    }
+    assert all(len(v) == 1 and v[0] > 0 for v in disk["reads"].values())
+    (save,) = disk["saves"]
+    assert save["ratio"] > 0 and save["odirect"]["seconds"] > 0
+    assert {"seconds", "write_s", "fsync_s", "hash_s"} <= set(save["ckptfmt"])
+    assert "O_DIRECT MB/s" in proc.stdout and "`ckpt verify DIR` (process)" in proc.stdout
     assert list(tmp_path.iterdir()) == [out]  # nothing left behind

@@ -1,0 +1,35 @@
+"""bench/multirank.py at a tiny size: every world size runs, and the reshard rows report bytes per rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parent.parent / "bench" / "multirank.py"
+
+
+def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--size-mib", "4", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["worlds"]) == {"1", "2", "4"}
+    for m in report["worlds"].values():
+        assert set(m) == {"ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"}
+        assert all(v > 0 for v in m.values())
+    assert set(report["reshard"]) == {"4->3", "4->2"}
+    for label, m in report["reshard"].items():
+        world = int(label.split("->")[1])
+        assert len(m["per_rank"]) == world and m["ideal"] == 1 / world
+        # fractions of the checkpoint; together the ranks read all of it at least once
+        assert all(0 < f <= 1 for f in m["per_rank"]) and m["sum"] >= 0.99
+    assert "| ranks | ckptfmt save |" in proc.stdout and "| 3 ranks |" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing left behind
