@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parent.parent / "bench" / "multirank.py"
 
 
+@pytest.mark.skipif(
+    os.environ.get("CKPTFMT_BENCH_SMOKE") != "1",
+    reason="starts 13 process groups (about 30 s); set CKPTFMT_BENCH_SMOKE=1 (the bench itself is run by hand)",
+)
 def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     proc = subprocess.run(

@@ -147,7 +147,7 @@ def test_without_block_bytes_the_checkpoint_is_1_0_and_has_no_blocks(tmp_path: P
 
 
 def test_the_default_block_size_writes_none_on_small_chunks(tmp_path: Path) -> None:
-    """VER-1: 1.2 only when a chunk has blocks; at 256 KiB none of these chunks is large enough."""
+    """VER-1: 1.2 only when a chunk has blocks; at the default (64 KiB) none of these chunks is large enough."""
     doc = write(tmp_path / "ck", block_bytes=DEFAULT_BLOCK_BYTES)
     assert doc["format_version"] == "1.0"
     assert not any("blocks" in c for _, c in chunks(doc))

@@ -632,14 +632,14 @@ def test_restore_latest_falls_back_from_a_checkpoint_that_fails_when_read(
     restore_latest logs it and resumes from the one before; the model is touched only by that one."""
     run = tmp_path / "run"
     states = _manager_run(run, (2, 4, 6))
-    real = ckptfmt.reader.Checkpoint.read_tensors
+    real = ckptfmt.reader.Checkpoint.read_regions
 
-    def read_tensors(self: Any, field: str, *args: Any, **kwargs: Any) -> Any:
-        if self.url.rstrip("/").endswith(checkpoint_name(6)) and field == "optimizer":
+    def read_regions(self: Any, targets: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.url.rstrip("/").endswith(checkpoint_name(6)) and any(t.field == "optimizer" for t in targets):
             raise OverflowError("cannot fit 'int' into an index-sized integer")
-        return real(self, field, *args, **kwargs)
+        return real(self, targets, *args, **kwargs)
 
-    monkeypatch.setattr(ckptfmt.reader.Checkpoint, "read_tensors", read_tensors)
+    monkeypatch.setattr(ckptfmt.reader.Checkpoint, "read_regions", read_regions)
     model, opt, _ = tiny_state(seed=9)
     sampler = ResumableSampler(32, seed=0)
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
