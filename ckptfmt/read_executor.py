@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,13 @@ class ReadExecutor:
         self.keep_cached = keep_cached
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # started on first use, kept until close()
+        self._pool_size = 0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     # ------------------------------------------------------------------ filling targets
 
@@ -173,8 +180,12 @@ class ReadExecutor:
             for job in jobs:
                 job()
             return
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptfmt-read") as pool:
-            futures: list[Future[None]] = [pool.submit(job) for job in jobs]
+        if self._pool is None or self._pool_size != self.workers:
+            self.close()
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptfmt-read")
+            self._pool_size = self.workers
+        futures: list[Future[None]] = [self._pool.submit(job) for job in jobs]
+        wait(futures)
         for future in futures:
             future.result()
 

@@ -224,6 +224,7 @@ class Checkpoint:
         return verify_checkpoint(self.store, self.manifest, checkpoint_id=self.id, quick=quick, progress=progress)
 
     def close(self) -> None:
+        self._executor.close()
         self.store.close()
 
     def __enter__(self) -> Checkpoint:

@@ -10,7 +10,11 @@ last partial block goes through the page cache (``O_DIRECT`` cleared), and ``fsy
 file durable as before. A file smaller than one buffer never turns ``O_DIRECT`` on. Where the
 filesystem refuses ``O_DIRECT`` (``EINVAL``), the file is written through the page cache instead.
 
-Memory: one ``BUFFER_BYTES`` buffer per file being written, taken from a pool that keeps at most
+A full buffer is written on a small shared pool of writer threads while the caller fills the other
+buffer (copy, hashing): the disk never waits for the CPU, nor the CPU for the disk. At most one write per
+file is in flight, so writes stay in order.
+
+Memory: two ``BUFFER_BYTES`` buffers per file being written, taken from a pool that keeps at most
 ``POOL_IDLE`` of them between files (reused pages: no page faults on the next save).
 """
 
@@ -21,11 +25,13 @@ import fcntl
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
 ALIGN = 4096  # buffer address, write length and file offset: a multiple of every logical block size in use
 BUFFER_BYTES = 8 << 20
-POOL_IDLE = 4
+POOL_IDLE = 8
+_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptfmt-direct")  # the writes themselves
 
 
 class _BufferPool:
@@ -65,6 +71,8 @@ class StagedWriter:
         self._buffer: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._fill = 0
+        self._pending: Future[None] | None = None  # the write of the other buffer, in flight
+        self._spare: tuple[mmap.mmap, memoryview] | None = None  # the other buffer (being written, or free)
 
     def write(self, data: memoryview) -> None:
         if self._view is None:
@@ -82,6 +90,7 @@ class StagedWriter:
         """Write what is staged; the file then holds every byte written (not yet fsynced)."""
         if self._view is None:
             return
+        self._wait()
         view, fill = self._view, self._fill
         aligned = fill - fill % ALIGN if self._direct else 0
         if aligned:
@@ -93,7 +102,15 @@ class StagedWriter:
         self.release()
 
     def release(self) -> None:
-        """Return the staging buffer to the pool (idempotent; also on abort)."""
+        """Return the staging buffers to the pool once no write uses them (idempotent; also on abort)."""
+        if self._pending is not None:
+            self._pending.exception()  # wait; the error, if any, was or will be reported by the caller's path
+            self._pending = None
+        if self._spare is not None:
+            buffer, view = self._spare
+            view.release()
+            _POOL.give(buffer)
+            self._spare = None
         if self._view is not None:
             self._view.release()
             self._view = None
@@ -101,16 +118,29 @@ class StagedWriter:
             _POOL.give(self._buffer)
             self._buffer = None
 
+    def _wait(self) -> None:
+        """Wait for the write in flight and raise its error (an OSError, as a synchronous write would)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
     def _flush_full(self) -> None:
-        assert self._view is not None
+        assert self._view is not None and self._buffer is not None
+        self._wait()  # the other buffer is free again, and the flags are no longer in use by a write
         if self._allow_direct and not self._direct:
             self._direct = self._set_direct(True)
             self._allow_direct = self._direct
-        if self._direct:
-            self._write_direct(self._view)
-        else:
-            write_all(self._fd, self._view)
+        self._pending = _WRITERS.submit(self._write_direct if self._direct else self._write_cached, self._view)
+        full = (self._buffer, self._view)
+        if self._spare is None:
+            buffer = _POOL.take()
+            self._spare = (buffer, memoryview(buffer))
+        self._buffer, self._view = self._spare
+        self._spare = full
         self._fill = 0
+
+    def _write_cached(self, data: memoryview) -> None:
+        write_all(self._fd, data)
 
     def _write_direct(self, data: memoryview) -> None:
         while data:
