@@ -7,7 +7,8 @@ parameters is sharded with FSDP2 (``fully_shard``) over the ranks, given AdamW s
 saved and loaded by ckptfmt (``ckptfmt.torch.save``/``load``) and by DCP (``dcp.save``/``dcp.load`` of
 the same state dicts), alternating, medians of ``--repeat``; every save is made durable (ckptfmt
 fsyncs; DCP's files are fsynced by its writer) and the checkpoint's files are evicted from the page cache
-before each load (fsync + ``posix_fadvise(DONTNEED)`` per file, which needs no root). It also loads the
+before each load (fsync + ``posix_fadvise(DONTNEED)`` per file, which needs no root), then ``sync`` and a
+second of quiet, so no load is timed against the writeback of the saves before it. It also loads the
 4-rank ckptfmt checkpoint on 3 and on 2 ranks (the load path's ``read_snapshot``) and reports the tensor
 bytes each rank fetched (``Checkpoint.bytes_read``) over the checkpoint's tensor bytes (the sum of its
 chunks' stored sizes): the ideal is 1/3 and 1/2. Prints markdown tables (``--json OUT``: the figures);
@@ -40,6 +41,13 @@ def evict(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def settle() -> None:
+    """Let the disk finish what earlier saves left it (a virtual disk's host may still be writing back after the
+    guest's fsync), so a load is not timed against another save's writeback: sync, then a second of quiet."""
+    os.sync()
+    time.sleep(1.0)
 
 
 def tensor_bytes(ckpt: Any) -> int:
@@ -113,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
             for key, fn, path in loads if i % 2 == 0 else loads[::-1]:
                 if rank == 0:
                     evict(path)  # cold: the files were just written, so all of them are cached
+                    settle()
                 result.setdefault(key, []).append(timed(fn))
         if world == 4:  # kept for the reshard runs (4 -> 3, 4 -> 2)
             keep, dcp_keep = out / "ckptfmt-4-keep", out / "dcp-4-keep"
@@ -128,6 +137,7 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             evict(keep)
             evict(dcp_keep)
+            settle()
 
         def ckptfmt_read() -> None:
             with ckptfmt.open(keep) as ckpt:

@@ -20,6 +20,7 @@ on one node often read the same bytes (``Checkpoint.keep_cached``).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -80,11 +81,22 @@ class _Live:
         return out
 
 
+def default_workers(store: Store) -> int:
+    """Reads in flight: on a local disk one per core, up to 4 (the copy out of the page cache and the hashing are
+    CPU work: on 2 cores, 4 readers loaded 192 MiB in 0.15 s against 0.11 s for 2); on object stores 8, since
+    each request mostly waits on the network."""
+    if store.capabilities.local:
+        return max(1, min(4, os.cpu_count() or 1))
+    return 8
+
+
 class ReadExecutor:
-    def __init__(self, store: Store, checks: FileChecks, *, workers: int = 4, keep_cached: bool = True) -> None:
+    def __init__(
+        self, store: Store, checks: FileChecks, *, workers: int | None = None, keep_cached: bool = True
+    ) -> None:
         self.store = store
         self.checks = checks
-        self.workers = max(1, workers)
+        self.workers = default_workers(store) if workers is None else max(1, workers)
         self.keep_cached = keep_cached
         self.bytes_read = 0
         self._lock = threading.Lock()

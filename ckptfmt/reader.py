@@ -40,7 +40,7 @@ from .manifest import (
     parse_manifest,
 )
 from .paths import MANIFEST_NAME
-from .read_executor import ReadExecutor, check_chunk
+from .read_executor import ReadExecutor, check_chunk, default_workers
 from .read_plan import Target, plan_read, whole
 from .storage import Store, open_store
 from .verify import VerifyReport, verify_checkpoint
@@ -173,18 +173,19 @@ class Checkpoint:
         return self.read_regions([target], verify=verify)[0]
 
     def read_regions(
-        self, targets: Sequence[Target], *, verify: bool = True, workers: int = 4
+        self, targets: Sequence[Target], *, verify: bool = True, workers: int | None = None
     ) -> list[np.ndarray[Any, Any]]:
         """Several regions of several tensors in one plan: every file's pieces read together (adjacent ranges
-        merged by the store), ``workers`` reads in flight, each piece checked before anything is returned."""
+        merged by the store), ``workers`` reads in flight (default: the store's, see ``default_workers``), each
+        piece checked before anything is returned."""
         records = {(t.field, t.tensor): self.tensor(t.field, t.tensor) for t in targets}
         plan = plan_read(records, targets, verify=verify)
-        self._executor.workers = max(1, workers)
+        self._executor.workers = default_workers(self.store) if workers is None else max(1, workers)
         self._executor.keep_cached = self.keep_cached
         return self._executor.fill(plan, verify=verify)
 
     def read_tensors(
-        self, field: str, *, names: Sequence[str] | None = None, verify: bool = True, workers: int = 4
+        self, field: str, *, names: Sequence[str] | None = None, verify: bool = True, workers: int | None = None
     ) -> dict[str, np.ndarray[Any, Any]]:
         """Every tensor of a field (or those in ``names``), read as one plan (see :meth:`read_regions`)."""
         chosen = self.tensor_names(field) if names is None else list(names)
