@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # conformance/ is a top-level directory of the repository
 
 from conformance import VECTORS  # noqa: E402
-from conformance.mutants import REDUNDANT, mutated_sources, score, sites, sweep  # noqa: E402
+from conformance.mutants import REDUNDANT, mutated_sources, process_rules, score, sites, sweep  # noqa: E402
 
 SAMPLE = {  # requirement -> an invalid vector that must catch its mutant
     "TEN-17": "invalid/chunks-overlap",  # a computed ID (the layout rule of a coverage problem)
@@ -53,6 +53,13 @@ def test_every_refusal_id_of_the_reader_has_a_mutant() -> None:
     found = sites()
     for rid in ("MAN-5", "MAN-25", "MAN-28", "DIG-2", "DIG-3", "DIG-4", "TEN-4", "TEN-17", "SAF-13", "PTH-3", "CTX-2"):
         assert rid in found, rid
+
+
+def test_rules_only_tests_can_cover_have_no_mutant() -> None:
+    """BLK-5 (a partial read's block checks) and COM-21 are named in the reader's modules, but no reader vector
+    makes a reader read part of a chunk or commit: coverage.json names their tests, and the sweep skips them."""
+    assert {"BLK-5", "COM-21"} <= process_rules() and {"BLK-5", "COM-21"} <= set(sites())
+    assert "BLK-6" not in process_rules()
 
 
 def test_a_sample_of_mutants_is_caught(tmp_path: Path) -> None:
