@@ -12,9 +12,8 @@ plan says so; only block edges, strided regions and encoded frames are staged. M
 staging of the pieces in flight.
 
 Page cache: ``keep_cached=False`` asks the store to drop the pages a read brought in once the bytes are in
-the target (local disks: ``POSIX_FADV_DONTNEED``), for one-shot readers such as verification (``ckpt
-verify``), so they do not evict what the training job keeps cached (its dataset). Restores keep them: ranks
-on one node often read the same bytes (``Checkpoint.keep_cached``).
+the target (local disks: ``POSIX_FADV_DONTNEED``), so a checkpoint read once does not evict what the training
+job keeps cached (its dataset); checkpoints read that way by default (``Checkpoint.keep_cached``).
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def default_workers(store: Store) -> int:
 
 class ReadExecutor:
     def __init__(
-        self, store: Store, checks: FileChecks, *, workers: int | None = None, keep_cached: bool = True
+        self, store: Store, checks: FileChecks, *, workers: int | None = None, keep_cached: bool = False
     ) -> None:
         self.store = store
         self.checks = checks
