@@ -48,6 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from io_throughput import drop_caches, fsync_tree, to_torch  # bench/ is not a package
+from multirank import evict
 
 MiB = 1 << 20
 SAVES = ["ckptfmt-raw", "ckptfmt-zstd", "safetensors", "torch.save", "dcp.save"]
@@ -390,17 +391,6 @@ def filesystem(path: Path) -> str:
     return f"{fields[0]} ({fields[1]} on {fields[2]})"
 
 
-def evict(files: list[Path]) -> None:
-    """Drop ``files`` from the page cache without root: fsync (dirty pages stay), then POSIX_FADV_DONTNEED."""
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def direct_write(path: Path, nbytes: int) -> dict[str, float]:
     """The disk's own write speed: ``nbytes`` from one page-aligned 64 MiB buffer with O_DIRECT, then fsync."""
     import mmap
@@ -526,7 +516,7 @@ def disk_section(base: Path, size: int, repeat: int, *, quick: bool, warm: int) 
         files = sorted(p for p in path.rglob("*") if p.is_file())
         order = DISK_READS[r % len(DISK_READS) :] + DISK_READS[: r % len(DISK_READS)]
         for op in order:
-            evict(files)
+            evict(path)
             if op in ("cat", "cat-warm"):
                 if op == "cat-warm":
                     timed_command(["cat", *map(str, files)])  # fills the cache: the timed run below is warm
