@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import socket
 import subprocess
@@ -13,7 +14,17 @@ from . import __version__
 
 
 def git_state(cwd: str | None = None) -> dict[str, object] | None:
-    """``{"commit", "dirty"}`` of the git repository around ``cwd``, or None when there is none (never raises)."""
+    """``{"commit", "dirty"}`` of the git repository around ``cwd``, or None when there is none (never raises).
+
+    Looked up once per directory per process: the code a process runs is what it imported when it started,
+    and two ``git`` processes cost ~12 ms, which every save and every load's comparison would otherwise pay.
+    """
+    found = _git_state(os.path.realpath(cwd or os.getcwd()))
+    return None if found is None else dict(found)
+
+
+@functools.lru_cache(maxsize=16)
+def _git_state(cwd: str) -> tuple[tuple[str, object], ...] | None:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
@@ -30,7 +41,7 @@ def git_state(cwd: str | None = None) -> dict[str, object] | None:
         return None
     if len(commit) not in (40, 64):
         return None
-    return {"commit": commit, "dirty": bool(status.strip())}
+    return (("commit", commit), ("dirty", bool(status.strip())))
 
 
 def versions(*packages: str) -> dict[str, str]:
