@@ -15,13 +15,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .blocks import DEFAULT_BLOCK_BYTES
 from .canonical import canonical_json, config_hash
 from .collective import Collective, ThreadCollective
 from .errors import (
+    BaseCheckpointError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointLockedError,
@@ -50,6 +51,7 @@ from .errors import (
     UnsupportedVersionError,
     UsageError,
 )
+from .incremental import RawDigests
 from .manifest import (
     FORMAT_VERSION,
     ChunkRecord,
@@ -80,6 +82,9 @@ def open_writer(
     collective: Collective | None = None,
     codec: str | None = None,
     block_bytes: int | None = DEFAULT_BLOCK_BYTES,
+    base: Checkpoint | str | os.PathLike[str] | None = None,
+    frozen: Collection[str] = (),
+    base_content: RawDigests | None = None,
 ) -> CheckpointWriter:
     """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits.
 
@@ -89,6 +94,12 @@ def open_writer(
     chunks losslessly (spec/codecs.md; such a checkpoint is format 1.1). ``block_bytes``: raw chunks larger than
     this also get a digest per block, so a partial read checks exactly the blocks it reads (spec/blocks.md,
     format 1.2); None writes none.
+
+    ``base``: an earlier checkpoint beside ``url`` (the same run directory; a URL or an open checkpoint): a chunk
+    whose bytes equal the base's chunk of the same tensor, offsets and shape is recorded as a reference to it,
+    hashed but not written (spec/references.md). ``frozen``: names of tensors the caller declares unchanged
+    since the base (a LoRA base model), referenced without being hashed. ``base_content``: ``(checkpoint id,
+    writer.raw_digests)`` of the writer that wrote the base, so that its encoded chunks are compared too.
     """
     return CheckpointWriter(
         open_store(url, storage_options),
@@ -102,6 +113,9 @@ def open_writer(
         collective=collective,
         codec=codec,
         block_bytes=block_bytes,
+        base=base,
+        frozen=frozen,
+        base_content=base_content,
     )
 
 
@@ -120,6 +134,7 @@ def verify(
 __all__ = [
     "FORMAT_VERSION",
     "PROFILES",
+    "BaseCheckpointError",
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",

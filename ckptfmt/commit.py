@@ -25,9 +25,9 @@ log = logging.getLogger("ckptfmt")
 class Committer:
     """Holds ``store``'s writer lock from construction until :meth:`commit` or :meth:`abort`."""
 
-    def __init__(self, store: Store, *, overwrite: bool = False) -> None:
+    def __init__(self, store: Store, *, overwrite: bool = False, bases: tuple[str, ...] = ()) -> None:
         self.store = store
-        self.holder = WriterLock.mine()
+        self.holder = WriterLock.mine(bases)
         self.old_files: dict[str, int] = {}
         self._acquire(overwrite)
 

@@ -156,6 +156,13 @@ class MissingFileError(IntegrityError, FileNotFoundError):
     code = "missing_file"
 
 
+class BaseCheckpointError(IntegrityError):
+    """A checkpoint that references chunks of another (its base) cannot use it: the base is missing, was
+    replaced, or does not itself store the files referenced (spec/references.md)."""
+
+    code = "base_checkpoint"
+
+
 class SafetensorsHeaderError(IntegrityError):
     """A data file's safetensors header is malformed or disagrees with the manifest."""
 
@@ -233,6 +240,7 @@ def error_from_dict(doc: dict[str, str]) -> CheckpointError:
 
 
 __all__ = [
+    "BaseCheckpointError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointLockedError",

@@ -15,7 +15,7 @@ class FileChecks:
     def __init__(self, store: Store, manifest: Manifest) -> None:
         self.store = store
         self.manifest = manifest
-        self._sizes = {f.path: f.size for f in manifest.files}
+        self._sizes = {f.path: f.size for f in (*manifest.files, *manifest.referenced_files)}
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self._chunks_by_file: dict[str, list[tuple[str, str, ChunkRecord]]] | None = None

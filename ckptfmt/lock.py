@@ -37,13 +37,23 @@ class WriterLock:
     pid: int
     nonce: str
     started_at: str
+    bases: tuple[str, ...] = ()  # the checkpoints (sibling names) the save references: gc keeps them (REF-13)
 
     @classmethod
-    def mine(cls) -> WriterLock:
-        return cls(host=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(8), started_at=_now())
+    def mine(cls, bases: tuple[str, ...] = ()) -> WriterLock:
+        return cls(
+            host=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(8), started_at=_now(), bases=bases
+        )
 
     def to_bytes(self) -> bytes:
-        doc = {"host": self.host, "pid": self.pid, "nonce": self.nonce, "started_at": self.started_at}
+        doc: dict[str, object] = {
+            "host": self.host,
+            "pid": self.pid,
+            "nonce": self.nonce,
+            "started_at": self.started_at,
+        }
+        if self.bases:
+            doc["bases"] = list(self.bases)
         return json.dumps(doc, sort_keys=True).encode()
 
     def describe(self) -> str:
@@ -97,4 +107,7 @@ def read_lock(store: Store, path: str = LOCK_NAME) -> WriterLock | None:
         return None
     if not 0 < pid <= MAX_PID:
         return None
-    return WriterLock(host=host, pid=pid, nonce=nonce, started_at=started)
+    bases = info.get("bases", [])
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        bases = []
+    return WriterLock(host=host, pid=pid, nonce=nonce, started_at=started, bases=tuple(bases))

@@ -7,6 +7,7 @@ path at fault. It stays lean because a manifest of a large sharded run holds 100
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -28,6 +29,8 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .profiles import PROFILES
+from .references import EXTENSION as REFERENCES
+from .references import BaseRecord, extension_dict, parse_bases, referenced_sizes, virtual_path
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_MAJOR = 1
@@ -40,7 +43,7 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_JSON_DEPTH = 64  # MAN-26: the top-level object is level 1
 MAX_INT_DIGITS = 20  # MAN-26: enough for any 64-bit integer, signed or unsigned (as ckptfmt.jsonio)
 _INT_BOUND = 10**MAX_INT_DIGITS  # JSON integers have no leading zeros: |v| < 10**20 <=> at most 20 digits
-KNOWN_EXTENSIONS: frozenset[str] = frozenset()
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES})
 RAW = "raw"
 
 FieldKind = Literal["tensors", "context"]
@@ -83,14 +86,22 @@ class ChunkRecord:
     digest: str
     codec: Codec = RAW_CODEC
     blocks: Blocks | None = None  # a digest per block of the stored bytes (spec/blocks.md)
+    # A chunk stored in another checkpoint (spec/references.md): its location, "../<name>"; ``path`` is then
+    # the virtual "<location>/<path in the base>", the key every reader of this checkpoint addresses it by.
+    base: str | None = None
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def stored_path(self) -> str:
+        """The path as the manifest writes it: in the base, for a referenced chunk."""
+        return self.path if self.base is None else self.path[len(self.base) + 1 :]
+
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "path": self.path,
+            "path": self.stored_path,
             "key": self.key,
             "offsets": list(self.offsets),
             "shape": list(self.shape),
@@ -100,6 +111,8 @@ class ChunkRecord:
         }
         if self.blocks is not None:
             out["blocks"] = self.blocks.to_dict()
+        if self.base is not None:
+            out["base"] = self.base
         return out
 
 
@@ -154,8 +167,9 @@ class Manifest:
     files: tuple[FileRecord, ...]
     fields: Mapping[str, FieldRecord]
     format_version: str = RAW_VERSION
-    extensions: tuple[Extension, ...] = ()
+    extensions: tuple[Extension, ...] = ()  # every extension but the references, which ``bases`` holds
     metadata: Mapping[str, str] = field(default_factory=dict)
+    bases: tuple[BaseRecord, ...] = ()  # checkpoints this one references chunks of (spec/references.md)
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -165,8 +179,9 @@ class Manifest:
             "files": [f.to_dict() for f in self.files],
             "fields": {name: f.to_dict() for name, f in self.fields.items()},
         }
-        if self.extensions:
-            out["extensions"] = [e.to_dict() for e in self.extensions]
+        extensions = ([extension_dict(self.bases)] if self.bases else []) + [e.to_dict() for e in self.extensions]
+        if extensions:
+            out["extensions"] = extensions
         if self.metadata:
             out["metadata"] = dict(self.metadata)
         return out
@@ -182,7 +197,20 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of the checkpoint's own files (not those of the bases it references)."""
         return sum(f.size for f in self.files)
+
+    @property
+    def referenced_files(self) -> tuple[FileRecord, ...]:
+        """The base files referenced chunks live in, under their virtual paths (``../<name>/<path>``)."""
+        return tuple(
+            FileRecord(path=b.virtual(f.path), size=f.size, digest=f.digest) for b in self.bases for f in b.files
+        )
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The stored bytes of the chunks this checkpoint references instead of storing."""
+        return sum(c.nbytes for f in self.fields.values() for t in f.tensors.values() for c in t.chunks if c.base)
 
 
 def checkpoint_id(data: bytes) -> str:
@@ -358,6 +386,11 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
     return tuple(out)
 
 
+def parse_file_records(value: object) -> tuple[FileRecord, ...]:
+    """An array of file records (MAN-13..16): ``files``, and a base's files (spec/references.md)."""
+    return _parse_files(value)
+
+
 def _parse_files(value: object) -> tuple[FileRecord, ...]:
     if type(value) is not list:
         raise ManifestError("'files' must be an array", requirement=_rule(value, "MAN-11"))
@@ -393,8 +426,29 @@ def _counts(values: object, rank: int) -> bool:
     )
 
 
-def _parse_chunk(raw: Any, sizes: Mapping[str, int], dtype_size: int, rank: int, where: dict[str, Any]) -> ChunkRecord:
+def _parse_ref_chunk(
+    raw: dict[str, Any], refs: Mapping[str, int], dtype_size: int, rank: int, where: dict[str, Any]
+) -> ChunkRecord:
+    """A chunk with ``base``: its path is looked up among that base's files (REF-6), under its virtual path."""
+    location = raw["base"]
+    path = paths.check_path(raw.get("path"), where="chunk", absent="TEN-6")
+    if not isinstance(location, str) or virtual_path(location, path) not in refs:
+        raise ManifestError(
+            f"chunk names file {path!r} of base {_show(location)}, which the references extension does not list",
+            requirement="REF-6",
+            **where,
+        )
+    inner = {k: v for k, v in raw.items() if k != "base"}
+    inner["path"] = virtual_path(location, path)
+    return dataclasses.replace(_parse_chunk(inner, refs, dtype_size, rank, where), base=location)
+
+
+def _parse_chunk(
+    raw: Any, sizes: Mapping[str, int], dtype_size: int, rank: int, where: dict[str, Any], refs: Mapping[str, int] = {}
+) -> ChunkRecord:
     """The hot loop of a large manifest: one cheap pass for the common valid chunk, the detailed one otherwise."""
+    if refs and type(raw) is dict and "base" in raw:
+        return _parse_ref_chunk(raw, refs, dtype_size, rank, where)
     try:
         path, key, offsets, shape = raw["path"], raw["key"], raw["offsets"], raw["shape"]
         begin, end = raw["range"]
@@ -510,7 +564,9 @@ def _blocks(value: object, codec: Codec, nbytes: int, digest: str, **where: Any)
     return Blocks(size=value["size"], digests=value["digests"])
 
 
-def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) -> TensorRecord:
+def _parse_tensor(
+    name: str, raw: object, sizes: Mapping[str, int], fname: str, refs: Mapping[str, int]
+) -> TensorRecord:
     where: dict[str, Any] = {"field": fname, "tensor": name}
     problem = paths.tensor_name_problem(name)
     if problem:
@@ -529,7 +585,7 @@ def _parse_tensor(name: str, raw: object, sizes: Mapping[str, int], fname: str) 
     if type(chunk_list) is not list:
         raise ManifestError("tensor 'chunks' must be an array", requirement="TEN-5", **where)
     size = dtypes.ITEMSIZE.get(dtype, 0)  # an unknown dtype makes only this tensor unreadable (TEN-1)
-    parsed = tuple(_parse_chunk(c, sizes, size, len(shape), where) for c in chunk_list)
+    parsed = tuple(_parse_chunk(c, sizes, size, len(shape), where, refs) for c in chunk_list)
     if len(parsed) == 1 and parsed[0].shape == shape and not any(parsed[0].offsets):
         return TensorRecord(dtype=dtype, shape=shape, chunks=parsed)  # the common case: whole tensor
     problem = geometry.coverage_problem(shape, [(c.offsets, c.shape) for c in parsed])
@@ -548,7 +604,7 @@ def _layout_rule(problem: str) -> str:
     return "TEN-18"  # a gap, or no chunks at all
 
 
-def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecord:
+def _parse_field(name: str, raw: object, sizes: Mapping[str, int], refs: Mapping[str, int]) -> FieldRecord:
     if not paths.is_field_name(name):
         raise ManifestError(f"field name {name!r} must match [a-z][a-z0-9_]{{0,63}}", field=name, requirement="MAN-20")
     raw = _obj(raw, "a field record", field=name)
@@ -575,7 +631,7 @@ def _parse_field(name: str, raw: object, sizes: Mapping[str, int]) -> FieldRecor
         return FieldRecord(kind="context", context=context)
     if kind == "tensors":
         tensors = _obj(raw.get("tensors"), "field 'tensors'", "MAN-22", field=name)
-        parsed = {t: _parse_tensor(t, rec, sizes, name) for t, rec in tensors.items()}
+        parsed = {t: _parse_tensor(t, rec, sizes, name, refs) for t, rec in tensors.items()}
         return FieldRecord(kind="tensors", tensors=parsed, context=context)
     raise ManifestError(
         f"field 'kind' must be 'tensors' or 'context', got {_show(kind)}", field=name, requirement="MAN-21"
@@ -654,6 +710,10 @@ def parse_manifest(data: bytes) -> Manifest:
     _extras(doc, _TOP - {"extensions", "metadata"}, 1)
     version = _parse_version(doc)
     extensions = _parse_extensions(doc.get("extensions"))
+    references = [e for e in extensions if e.name == REFERENCES]
+    if len(references) > 1:
+        raise ManifestError(f"extension {REFERENCES!r} is listed {len(references)} times", requirement="REF-1")
+    bases = parse_bases(references[0].must_understand, references[0].configuration) if references else ()
     profile = doc.get("profile")
     if type(profile) is not str or profile not in PROFILES:
         raise ManifestError(
@@ -666,7 +726,8 @@ def parse_manifest(data: bytes) -> Manifest:
     files = _parse_files(doc.get("files"))
     sizes = {f.path: f.size for f in files}
     raw_fields = _obj(doc.get("fields"), "'fields'", "MAN-12")
-    fields = {name: _parse_field(name, raw, sizes) for name, raw in raw_fields.items()}
+    refs = referenced_sizes(bases)
+    fields = {name: _parse_field(name, raw, sizes, refs) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
     _check_chunk_keys(fields)
     return Manifest(
@@ -674,8 +735,9 @@ def parse_manifest(data: bytes) -> Manifest:
         files=files,
         fields=fields,
         format_version=version,
-        extensions=extensions,
+        extensions=tuple(e for e in extensions if e.name != REFERENCES),
         metadata=metadata,
+        bases=bases,
     )
 
 

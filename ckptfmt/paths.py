@@ -16,6 +16,11 @@ _FIELD = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def is_segment(text: str) -> bool:
+    """One path segment: 1-255 of ``[A-Za-z0-9._-]``, not starting with '.' (so never '.' or '..')."""
+    return _SEGMENT.fullmatch(text) is not None
+
+
 def check_path(path: object, *, where: str = "manifest", absent: str | None = None) -> str:
     """Return ``path`` if it is a safe relative checkpoint path, else raise UnsafePathError.
 

@@ -35,6 +35,7 @@ from .manifest import (
 )
 from .paths import check_field_name, tensor_name_problem
 from .profiles import PROFILES
+from .references import BaseRecord, check_location, parse_bases, virtual_path
 
 Shape = tuple[int, ...]
 RAW_WRITE = WriteCodec()
@@ -103,6 +104,7 @@ class RankResult:
     chunks: tuple[PlacedChunk, ...] = ()
     contexts: Mapping[str, str] = field(default_factory=dict)  # field -> context blob path
     tensor_fields: tuple[str, ...] = ()  # tensor fields this rank declared, possibly with no tensors
+    bases: tuple[BaseRecord, ...] = ()  # where this rank's referenced chunks are stored (spec/references.md)
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -111,6 +113,7 @@ class RankResult:
             "chunks": [c.to_dict() for c in self.chunks],
             "contexts": dict(self.contexts),
             "tensor_fields": list(self.tensor_fields),
+            "bases": [b.to_dict() for b in self.bases],
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
@@ -137,6 +140,7 @@ class RankResult:
                 ),
                 contexts={str(k): str(v) for k, v in doc["contexts"].items()},
                 tensor_fields=tuple(str(f) for f in doc["tensor_fields"]),
+                bases=parse_bases(True, {"bases": doc["bases"]}) if doc.get("bases") else (),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"malformed rank result: {exc!r}") from exc
@@ -144,8 +148,10 @@ class RankResult:
 
 def _chunk_from_dict(doc: Mapping[str, Any]) -> ChunkRecord:
     codec = doc["codec"]
+    base = doc.get("base")
     return ChunkRecord(
-        path=str(doc["path"]),
+        path=str(doc["path"]) if base is None else virtual_path(check_location(base), str(doc["path"])),
+        base=base,
         key=str(doc["key"]),
         offsets=tuple(int(o) for o in doc["offsets"]),
         shape=tuple(int(d) for d in doc["shape"]),
@@ -202,6 +208,23 @@ class RankPlanner:
         offsets: Sequence[int] | None = None,
     ) -> tuple[EntryPlan, list[FilePlan]]:
         """Plan one tensor, or one chunk of a sharded tensor (``global_shape`` and ``offsets`` given)."""
+        gshape, offs = self.declare(
+            field_name, name, dtype=dtype, shape=shape, global_shape=global_shape, offsets=offsets
+        )
+        return self.place(field_name, name, dtype, tuple(int(d) for d in shape), gshape, offs, nbytes)
+
+    def declare(
+        self,
+        field_name: str,
+        name: str,
+        *,
+        dtype: str,
+        shape: Sequence[int],
+        global_shape: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> tuple[Shape, Shape]:
+        """Check and record one chunk without placing it in a file (a referenced chunk is declared only);
+        returns its global shape and offsets."""
         check_field_name(field_name)
         problem = tensor_name_problem(name)
         if problem:
@@ -242,6 +265,12 @@ class RankPlanner:
         if offs in decl.chunk_offsets:
             raise UsageError(f"chunk at {list(offs)} was already written", field=field_name, tensor=name)
         decl.chunk_offsets.add(offs)
+        return gshape, offs
+
+    def place(
+        self, field_name: str, name: str, dtype: str, shape: Shape, gshape: Shape, offs: Shape, nbytes: int
+    ) -> tuple[EntryPlan, list[FilePlan]]:
+        """Put a declared chunk in a data file; returns its entry and the plans of files that became full."""
         whole = offs == (0,) * len(shape) and shape == gshape
         key = name if whole else f"{name}@{','.join(map(str, offs))}"
         entry = EntryPlan(
@@ -294,6 +323,7 @@ def merge_results(
     files: dict[str, FileRecord] = {}
     contexts: dict[str, str] = {}
     tensor_fields: set[str] = set()
+    bases: dict[str, BaseRecord] = {}
     decls: dict[str, dict[str, tuple[str, Shape, list[ChunkRecord]]]] = {}
     for result in sorted(results, key=lambda r: r.rank):
         for f in result.files:
@@ -305,6 +335,8 @@ def merge_results(
                 raise ChunkLayoutError(f"two ranks wrote a context for this field (rank {result.rank})", field=fname)
             contexts[fname] = path
         tensor_fields.update(result.tensor_fields)
+        for base in result.bases:
+            bases[base.location] = _join_base(bases.get(base.location), base)
         for placed in result.chunks:
             tensors = decls.setdefault(placed.field, {})
             known = tensors.get(placed.tensor)
@@ -343,10 +375,32 @@ def merge_results(
     version = (
         BLOCKS_VERSION if any(c.blocks is not None for c in chunks) else ENCODED_VERSION if encoded else RAW_VERSION
     )
+    used = {(c.base, c.stored_path) for c in chunks if c.base is not None}
+    listed = {(b.location, f.path) for b in bases.values() for f in b.files}
+    if used != listed:
+        raise ChunkLayoutError(f"referenced files and base records disagree: {sorted(used ^ listed)[:3]}")
     return Manifest(
         format_version=version,  # VER-1: the lowest version whose additions it uses
         profile=profile,
         files=tuple(files[p] for p in sorted(files)),
         fields=fields,
         metadata=dict(metadata or {}),
+        bases=tuple(bases[loc] for loc in sorted(bases)),
+    )
+
+
+def _join_base(known: BaseRecord | None, new: BaseRecord) -> BaseRecord:
+    """Two ranks' records of one base: the same checkpoint, their files joined (one record per path)."""
+    if known is None:
+        return new
+    if known.checkpoint_id != new.checkpoint_id:
+        raise ChunkLayoutError(
+            f"ranks reference two checkpoints at {new.location}: {known.checkpoint_id} and {new.checkpoint_id}"
+        )
+    files = {f.path: f for f in known.files}
+    for f in new.files:
+        if files.setdefault(f.path, f) != f:
+            raise ChunkLayoutError(f"ranks disagree on base file {new.location}/{f.path}")
+    return BaseRecord(
+        location=known.location, checkpoint_id=known.checkpoint_id, files=tuple(files[p] for p in sorted(files))
     )

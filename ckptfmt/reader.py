@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
+from .bases import open_base
 from .context import decode
 from .digests import algorithm_of, digest_of
 from .errors import (
@@ -43,6 +44,7 @@ from .paths import MANIFEST_NAME
 from .read_executor import ReadExecutor, check_chunk, default_workers
 from .read_plan import Target, plan_read, whole
 from .storage import Store, open_store
+from .storage.routed import RoutedStore
 from .verify import VerifyReport, verify_checkpoint
 
 
@@ -67,10 +69,17 @@ class Checkpoint:
     """A committed, validated checkpoint. Obtain one with :func:`ckptfmt.open`."""
 
     def __init__(self, store: Store, manifest: Manifest, manifest_bytes: bytes) -> None:
-        self.store = store
         self.manifest = manifest
         self.id = checkpoint_id(manifest_bytes)
-        self._file_records = {f.path: f for f in manifest.files}
+        if manifest.bases:
+            # Referenced chunks are read through the same plan and checks, their files routed to the base,
+            # which is opened (and its identity checked, REF-7/8) when one of its bytes is first needed.
+            def base(location: str) -> Store:
+                return open_base(store, manifest, location, referrer=self.id)
+
+            store = RoutedStore(store, base)
+        self.store = store
+        self._file_records = {f.path: f for f in (*manifest.files, *manifest.referenced_files)}
         self.checks = FileChecks(store, manifest)
         self._executor = ReadExecutor(store, self.checks)
         # Page cache (local disks): False (the default) drops what a read brought in once the bytes are in their
@@ -244,7 +253,11 @@ class Checkpoint:
 
 def open_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
     """Open a committed checkpoint; refuses incomplete, invalid and unknown-major ones."""
-    store = open_store(url, storage_options)
+    return open_store_checkpoint(open_store(url, storage_options))
+
+
+def open_store_checkpoint(store: Store) -> Checkpoint:
+    """:func:`open_checkpoint` of a store already open (the checkpoint owns it from here)."""
     data = read_manifest_bytes(store)
     try:
         manifest = parse_manifest(data)

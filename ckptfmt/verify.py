@@ -19,12 +19,13 @@ from .blocks import BlockHasher
 from .codecs import get_codec
 from .context import decode
 from .digests import Hasher, algorithm_of, format_digest, new_hasher
-from .errors import CheckpointError, UnsafePathError
+from .errors import CheckpointError, UnsafePathError, UsageError
 from .fields import check_standard_field
 from .file_checks import FileChecks
 from .manifest import RAW, ChunkRecord, FieldRecord, FileRecord, Manifest
 from .read_executor import ReadExecutor
 from .storage import Store
+from .storage.routed import RoutedStore
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +132,7 @@ def verify_checkpoint(
         if record.context is not None:
             owners.setdefault(record.context, (fname, []))
     present = ckpt.store.list()
+    unusable = _add_bases(ckpt, report, present)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify")
     jobs: list[tuple[int, Future[VerifyReport]]] = []
     lock = threading.Lock()
@@ -140,7 +142,9 @@ def verify_checkpoint(
             with lock:  # progress callbacks (a CLI bar) need not be thread-safe
                 progress(n)
 
-    for file in ckpt.manifest.files:
+    for file in (*ckpt.manifest.files, *ckpt.manifest.referenced_files):
+        if any(file.path.startswith(u + "/") for u in unusable):
+            continue  # its base is gone or replaced: reported once, above
         fname, chunk_list = owners.get(file.path, ("", []))
         where = {"path": file.path, "field": fname or None}
         if file.path not in present or present[file.path] != file.size:
@@ -196,6 +200,25 @@ def verify_checkpoint(
         except CheckpointError as exc:
             report.add(exc.locate(path=record.context, field=fname))
     return report
+
+
+def _add_bases(ckpt: _Target, report: VerifyReport, present: dict[str, int]) -> set[str]:
+    """Check every base's identity (a problem naming both checkpoints if it is missing or replaced) and add
+    the referenced files it holds to ``present`` under their virtual paths; returns the unusable locations."""
+    unusable: set[str] = set()
+    if not ckpt.manifest.bases:
+        return unusable
+    if not isinstance(ckpt.store, RoutedStore):
+        raise UsageError("a referencing checkpoint is verified through its reader (ckptfmt.open)")
+    for base in ckpt.manifest.bases:
+        try:
+            listed = ckpt.store.base(base.location).list()
+        except CheckpointError as exc:
+            report.add(exc)
+            unusable.add(base.location)
+            continue
+        present.update({base.virtual(f.path): listed[f.path] for f in base.files if f.path in listed})
+    return unusable
 
 
 def _check_regular(ckpt: _Target, path: str) -> None:

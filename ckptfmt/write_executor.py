@@ -27,7 +27,7 @@ from . import dtypes
 from .arrays import byte_view
 from .blocks import BlockHasher, Blocks
 from .codecs import get_codec
-from .digests import format_digest, new_hasher
+from .digests import digest_of, format_digest, new_hasher
 from .manifest import RAW, ChunkRecord, Codec, FileRecord
 from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
@@ -92,6 +92,9 @@ class WriteExecutor:
         self.block_bytes = block_bytes  # raw chunks larger than this get block digests (spec/blocks.md)
         self.files: dict[str, FileRecord] = {}
         self.chunks: list[PlacedChunk] = []
+        # (field, tensor, offsets) -> digest of an encoded chunk's raw bytes: what a later incremental save of
+        # this process compares unchanged data with (its stored digest covers compressed bytes; ckptfmt/incremental.py)
+        self.raw_digests: dict[tuple[str, str, tuple[int, ...]], str] = {}
         self.written: list[str] = []  # every path published, in order, for abort
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write")
@@ -150,6 +153,9 @@ class WriteExecutor:
                 level=e.codec.level,
                 frame_bytes=e.codec.frame_bytes,
             )
+            raw_digest = digest_of(self.algorithm, view)
+            with self._lock:
+                self.raw_digests[(e.field, e.tensor, e.offsets)] = raw_digest
             stored = encoded.parts[0] if len(encoded.parts) == 1 else b"".join(encoded.parts)
             views.append(memoryview(stored))
             codecs.append(Codec(name=e.codec.name, configuration=encoded.configuration))

@@ -22,11 +22,12 @@ writer commits (or :meth:`CheckpointWriter.flush` returns).
 from __future__ import annotations
 
 import logging
+import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,12 +51,17 @@ from .errors import (
     UsageError,
 )
 from .fields import check_standard_field
+from .incremental import BaseIndex, ChunkKey, RawDigests, ReferenceStats, merge_bases
 from .manifest import RAW, FileRecord, parse_manifest
 from .paths import check_field_name
-from .plan import FilePlan, RankPlanner, RankResult, merge_results
+from .plan import FilePlan, PlacedChunk, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES
+from .references import BaseRecord
 from .storage import Store
 from .write_executor import WriteExecutor
+
+if TYPE_CHECKING:
+    from .reader import Checkpoint
 
 log = logging.getLogger("ckptfmt")
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
@@ -116,6 +122,9 @@ class CheckpointWriter:
         codec: str | WriteCodec | None = None,
         store_of_rank: Sequence[int] | None = None,
         block_bytes: int | None = DEFAULT_BLOCK_BYTES,
+        base: Checkpoint | str | os.PathLike[str] | None = None,
+        frozen: Collection[str] = (),
+        base_content: RawDigests | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -147,6 +156,14 @@ class CheckpointWriter:
         self._contexts: dict[str, str] = {}
         self._closed = False
         self._committer: Committer | None = None
+        # base: an earlier checkpoint beside this one; chunks equal to its chunks are referenced, not written
+        # (spec/references.md). frozen: tensor names the caller declares unchanged since the base (not hashed).
+        # base_content: ``raw_digests`` of the writer of this process that wrote the base, with its checkpoint id:
+        # lets an unchanged encoded chunk be referenced after a hash (ignored unless the ids match)
+        self._base = _base_index(store, base, frozen, base_content)
+        self._references: list[PlacedChunk] = []
+        # recorded in the writer lock, so that gc keeps the bases while this save is at work (REF-13)
+        self._base_names = () if self._base is None else self._base.names
         # block_bytes: raw chunks larger than this get a digest per block, so partial reads are verified over
         # exactly the blocks they read (spec/blocks.md); None writes none (the checkpoint stays a 1.0 or 1.1 one)
         self._executor = WriteExecutor(store, algorithm=digest, workers=workers, block_bytes=block_bytes)
@@ -171,7 +188,7 @@ class CheckpointWriter:
     def _start(self, overwrite: bool) -> None:
         """Step 1 of the commit protocol on the coordinator; the other ranks learn its outcome."""
         if self.collective is None:
-            self._committer = Committer(self.store, overwrite=overwrite)
+            self._committer = Committer(self.store, overwrite=overwrite, bases=self._base_names)
             return
         if self.store_of_rank is not None:
             self._start_spread(overwrite)
@@ -179,7 +196,7 @@ class CheckpointWriter:
         error: CheckpointError | None = None
         if self.is_coordinator:
             try:
-                self._committer = Committer(self.store, overwrite=overwrite)
+                self._committer = Committer(self.store, overwrite=overwrite, bases=self._base_names)
             except CheckpointError as exc:
                 error = exc
         try:
@@ -201,7 +218,7 @@ class CheckpointWriter:
         error: CheckpointError | None = None
         if self.is_store_leader:
             try:
-                self._committer = Committer(self.store, overwrite=overwrite)
+                self._committer = Committer(self.store, overwrite=overwrite, bases=self._base_names)
             except CheckpointError as exc:
                 error = exc
         try:
@@ -235,15 +252,22 @@ class CheckpointWriter:
             self._split.add((field, name))
             global_shape = data.shape if global_shape is None else global_shape
         for piece, piece_offsets in pieces:
-            entry, full = self._planner.add(
+            gshape, offs = self._planner.declare(
                 field,
                 name,
                 dtype=dtype,
                 shape=piece.shape,
-                nbytes=piece.nbytes,
                 global_shape=global_shape,
                 offsets=offsets if len(pieces) == 1 else piece_offsets,
             )
+            if self._base is not None:
+                found = self._base.match(field, name, dtype, gshape, offs, piece)
+                if found is not None:
+                    self._references.append(
+                        PlacedChunk(field=field, tensor=name, dtype=dtype, global_shape=gshape, chunk=found[0])
+                    )
+                    continue
+            entry, full = self._planner.place(field, name, dtype, piece.shape, gshape, offs, piece.nbytes)
             for plan in full:
                 self._submit(plan)
             self._arrays[(field, entry.key)] = piece
@@ -301,13 +325,32 @@ class CheckpointWriter:
 
     def result(self) -> RankResult:
         """This rank's records so far (after :meth:`flush`): what it hands the coordinator."""
+        bases: tuple[BaseRecord, ...] = ()
+        if self._base is not None and self._references:
+            ids = {c.chunk.base: self._base.id_of(c.chunk.base) for c in self._references if c.chunk.base}
+            bases = merge_bases(ids, [(loc, f) for (loc, _), f in self._base.stats.files.items()])
         return RankResult(
             rank=self.rank,
             files=tuple(self._executor.files[p] for p in sorted(self._executor.files)),
-            chunks=tuple(self._executor.chunks),
+            chunks=(*self._executor.chunks, *self._references),
             contexts=dict(self._contexts),
             tensor_fields=tuple(sorted(self._planner.tensors)),
+            bases=bases,
         )
+
+    @property
+    def raw_digests(self) -> dict[ChunkKey, str]:
+        """(field, tensor, offsets) -> digest of the raw bytes of every encoded chunk this rank wrote or
+        referenced: give it, with the checkpoint id, as ``base_content`` to the next save on this checkpoint."""
+        known = dict(self._executor.raw_digests)
+        if self._base is not None:
+            known.update(self._base.referenced_raw)
+        return known
+
+    @property
+    def referenced(self) -> ReferenceStats | None:
+        """What this rank referenced in the base instead of writing (None without a base)."""
+        return None if self._base is None else self._base.stats
 
     def commit(self) -> str:
         """Finish the checkpoint: flush, check completeness, write the manifest. Returns the checkpoint id.
@@ -511,6 +554,30 @@ class CheckpointWriter:
             # An uncommitted save's leftovers are the coordinator's to delete, or gc's.
             raise
         return str(status["checkpoint_id"])
+
+
+def _base_index(
+    store: Store,
+    base: Checkpoint | str | os.PathLike[str] | None,
+    frozen: Collection[str],
+    content: RawDigests | None,
+) -> BaseIndex | None:
+    """The base's chunks, read from its manifest (opened beside ``store``, with its credentials, from a URL)."""
+    if base is None:
+        if frozen:
+            raise UsageError("frozen= names tensors unchanged since a base: give base= too")
+        return None
+    from .reader import Checkpoint, open_store_checkpoint
+
+    if isinstance(base, Checkpoint):
+        return BaseIndex(base, store, frozen=frozen, content=content)
+    url = os.fspath(base).rstrip("/")
+    sibling = store.sibling(url.rpartition("/")[2] if "/" in url else url)
+    expected = os.path.abspath(url) if store.capabilities.local and "://" not in url else url
+    if "/" in url and sibling.url.rstrip("/") != expected.rstrip("/"):
+        raise UsageError(f"the base {url} must be a checkpoint beside {store.url} (in the same run directory)")
+    with open_store_checkpoint(sibling) as opened:
+        return BaseIndex(opened, store, frozen=frozen, content=content)
 
 
 def _rank_result(rank: int, data: bytes) -> RankResult:

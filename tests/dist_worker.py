@@ -7,6 +7,8 @@ Scenarios (each rank runs the same code, as a trainer would):
 - ``load``: a freshly initialized FSDP2 model on this world size, ``ckptfmt.torch.load`` from
   OUT_DIR/ckpt, and the gathered state to OUT_DIR/loaded-<world>-*.safetensors from rank 0.
 - ``tp``: a 2-D mesh (2-way FSDP x 2-way tensor parallel, 4 ranks) loading the same checkpoint.
+- ``incremental``: the ``save`` checkpoint loaded, the last layer trained one step, saved to OUT_DIR/ckpt-inc
+  with OUT_DIR/ckpt as its base (spec/references.md); the gathered state to OUT_DIR/incremental-*.safetensors.
 - ``die``: every rank starts a save of its shards; rank 1 is SIGKILLed before the commit. The others
   must raise (not hang); rank 0 records the error in OUT_DIR/errors-<rank>.txt.
 """
@@ -91,6 +93,16 @@ def main() -> None:
         restored = ct.load(url, model=model, optimizer=optimizer, config=config(), sampler=sampler)
         assert restored.step == 2, restored
         dump(out, f"loaded-{scenario}-{world}", model, optimizer)
+    elif scenario == "incremental":
+        # the 4-rank checkpoint, loaded, then one step that trains only the last layer; saved beside it with
+        # it as the base: each rank references its own unchanged shards (first layer, and its Adam moments)
+        ct.load(url, model=model, optimizer=optimizer, config=config(), sampler=sampler)
+        model[0].requires_grad_(False)
+        torch.manual_seed(5 + rank)
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        optimizer.step()
+        ct.save(url + "-inc", step=3, model=model, optimizer=optimizer, config=config(), sampler=sampler, base=url)
+        dump(out, "incremental", model, optimizer)
     elif scenario == "die":
         writer = ckptfmt.open_writer(url + "-die", profile="weights", collective=TorchCollective())
         for name, tensor in model.state_dict().items():

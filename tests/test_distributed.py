@@ -75,7 +75,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     jobs = Jobs(workers=2)
     jobs.add("save", lambda: (launch("save", 4, out), out))
     jobs.add("die", lambda: (launch("die", 3, die, timeout=240), die))
-    for scenario, world in (("tp", 4), ("load", 3), ("load", 2)):
+    for scenario, world in (("tp", 4), ("load", 3), ("load", 2), ("incremental", 4)):
         jobs.add(f"{scenario}-{world}", lambda _, s=scenario, w=world: launch(s, w, out), "save")
     return jobs.run()
 
@@ -157,3 +157,20 @@ def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(launches: J
     assert not (tmp_path / "ckpt-die" / "manifest.json").exists()
     with pytest.raises(ckptfmt.IncompleteCheckpointError):
         ckptfmt.open(tmp_path / "ckpt-die")
+
+
+def test_each_rank_references_its_unchanged_shards_in_the_base(saved: Path, launches: Jobs) -> None:
+    ok(launches["incremental-4"])
+    with ckptfmt.open(saved / "ckpt-inc") as ckpt:
+        assert ckpt.verify().ok
+        assert [b.location for b in ckpt.manifest.bases] == ["../ckpt"]
+        weights = ckpt.fields["weights"].tensors
+        frozen = weights["0.weight"].chunks
+        assert len(frozen) == 4 and all(c.base == "../ckpt" for c in frozen)  # every rank's shard, referenced
+        written = [c for c in weights["2.weight"].chunks if c.nbytes]  # (3 rows on 4 ranks: one shard is empty)
+        assert written and all(c.base is None for c in written)  # trained: written
+        moments = ckpt.fields["optimizer"].tensors["0.weight/exp_avg"].chunks
+        assert all(c.base == "../ckpt" for c in moments)
+        expected = load_file(str(saved / "incremental-weights.safetensors"))
+        for name, array in expected.items():
+            np.testing.assert_array_equal(ckpt.read_tensor("weights", name), array)

@@ -4,39 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_threads import run_ranks
 from safetensors.numpy import load_file
 
 import ckptfmt
 from ckptfmt import CollectiveError, ThreadCollective
 from ckptfmt.errors import CheckpointError, CheckpointLockedError, ChunkLayoutError
 from ckptfmt.paths import LOCK_NAME
-
-
-def run_ranks(world: int, body: Callable[[int, ThreadCollective], object], timeout: float = 20.0) -> list[object]:
-    """Run ``body(rank, collective)`` on ``world`` threads; each result or raised exception, by rank."""
-    group = ThreadCollective.group(world, timeout=timeout)
-    results: list[object] = [None] * world
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = body(rank, group[rank])
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout * 4)
-        assert not t.is_alive(), "a rank hung"
-    return results
-
 
 FULL = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
 BOUNDS = [0, 3, 6, 8, 10]  # uneven row shards

@@ -74,6 +74,13 @@ class Store(ABC):
         """A read-only memory map of the file, where the backend can map files (local disks); else None."""
         return None
 
+    def sibling(self, name: str) -> Store:
+        """The store of the directory ``name`` beside this root, in the same run directory (a base checkpoint,
+        spec/references.md), reached the way this one is (same filesystem, same credentials)."""
+        from ..errors import UsageError
+
+        raise UsageError(f"{type(self).__name__} cannot open a sibling of {self.url}")
+
     @abstractmethod
     def size(self, path: str) -> int: ...
 

@@ -423,6 +423,9 @@ class LocalStore(Store):
         self.url = str(self.root)
         self.capabilities = Capabilities(exclusive_create=True, local=True)
 
+    def sibling(self, name: str) -> LocalStore:
+        return LocalStore(self.root.parent / name, direct_io=self.direct_io)
+
     def _open_read(self, path: str) -> int:
         dir_fd, name = walk_to_parent(self.url, path)
         try:

@@ -285,6 +285,11 @@ class FsspecStore(Store):
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}"
 
+    def sibling(self, name: str) -> FsspecStore:
+        parent = self.root.rpartition("/")[0]
+        url = self.url.rstrip("/")
+        return FsspecStore(self.fs, f"{parent}/{name}", f"{url.rpartition('/')[0]}/{name}")
+
     def _wrap(self, exc: Exception, path: str, doing: str, *, writing: bool = False) -> Exception:
         where = f"{self.url.rstrip('/')}/{path}" if path else self.url
         if isinstance(exc, FileNotFoundError):

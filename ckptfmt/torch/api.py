@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -154,11 +154,17 @@ def save(
     overwrite: bool = False,
     process_group: Any = None,
     codec: str | None = None,
+    base: str | os.PathLike[str] | None = None,
+    frozen: Collection[str] = (),
     **kwargs: Any,
 ) -> str:
     """Write the full training state to ``url`` as one committed checkpoint; returns its id.
 
     ``codec="zstd"`` (or ``"zstd:LEVEL"``) compresses floating tensors (spec/codecs.md); default raw.
+
+    ``base=`` an earlier checkpoint beside ``url`` (same run directory): chunks whose bytes equal the base's are
+    referenced, not written (spec/references.md); ``frozen=`` names tensors declared unchanged since the base
+    (a LoRA base model), referenced without being hashed.
 
     ``loader=`` (or ``sampler=``) gives the data position; see :func:`capture`. Once ``torch.distributed``
     is initialized with more than one rank (in ``process_group``, default the whole world), every rank
@@ -176,7 +182,15 @@ def save(
         **kwargs,
     )
     store = open_store(url, storage_options)
-    writer = CheckpointWriter(store, profile="training", overwrite=overwrite, collective=collective, codec=codec)
+    writer = CheckpointWriter(
+        store,
+        profile="training",
+        overwrite=overwrite,
+        collective=collective,
+        codec=codec,
+        base=base,
+        frozen=frozen,
+    )
     try:
         return state.write_snapshot(writer, snap)
     except BaseException:

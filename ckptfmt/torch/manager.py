@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from types import FrameType
@@ -43,6 +43,7 @@ import torch
 from .. import provenance as prov
 from ..collective import Collective, PeerChannel
 from ..errors import CheckpointError, UsageError
+from ..incremental import RawDigests
 from ..manifest import parse_manifest
 from ..reader import Checkpoint, open_checkpoint
 from ..run import RunDirectory, checkpoint_name
@@ -58,6 +59,7 @@ from .restore_report import Candidate, RestoreReport, estimated_state_bytes
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
+SINCE_FULL = "ckptfmt.incremental.since_full"  # manifest metadata: saves since the last self-contained one
 
 
 class CheckpointManager:
@@ -83,9 +85,16 @@ class CheckpointManager:
         persist_duty: float = 0.5,
         replicate: bool = False,
         peer_timeout: float = api.DEDICATED_TIMEOUT.total_seconds(),
+        incremental: bool = False,
+        full_every: int = 10,
+        frozen: Collection[str] = (),
     ) -> None:
         if memory_every < 0:
             raise UsageError("memory_every must be 0 (off) or a number of steps")
+        if full_every < 1:
+            raise UsageError("full_every must be at least 1 (1: every save is full)")
+        if frozen and not incremental:
+            raise UsageError("frozen= names tensors an incremental save references unhashed: give incremental=True")
         self.run = RunDirectory(run_url, storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -102,6 +111,14 @@ class CheckpointManager:
         self.exit_on_preemption = exit_on_preemption
         self.verify_on_restore = verify_on_restore
         self.codec = codec  # None: raw; "zstd" / "zstd:LEVEL" compresses floating tensors (spec/codecs.md)
+        # Incremental durable saves (spec/references.md): a save references the chunks of the previous durable
+        # checkpoint that it would write unchanged; every full_every-th save is self-contained, so a damaged
+        # base costs at most full_every saves and a chain of references never grows without bound.
+        self.incremental = incremental
+        self.full_every = full_every
+        self.frozen = frozenset(frozen)
+        self._base: tuple[str, int] | None = None  # (name, saves since the last full one) of the newest durable save
+        self._base_content: RawDigests | None = None  # its encoded chunks' raw digests, when this process wrote it
         self.last_checkpoint_id: str | None = None
         # The code that runs is the code at start: look its git state up once, not on every (stalling) save.
         self._code: dict[str, object] = prov.git_state() or {}
@@ -352,19 +369,63 @@ class CheckpointManager:
 
     def _persist(self, name: str, step: int, snap: Snapshot) -> str:
         store = open_store(self.run.child_url(name), self.run.storage_options)
-        writer = CheckpointWriter(
-            store, profile="training", overwrite=True, collective=self.collective, codec=self.codec
-        )
+        base, depth = self._base_for(name)
+
+        def writer_on(base: str | None, depth: int) -> CheckpointWriter:
+            return CheckpointWriter(
+                store,
+                profile="training",
+                overwrite=True,
+                collective=self.collective,
+                codec=self.codec,
+                base=base,
+                frozen=self.frozen if base is not None else (),
+                metadata={SINCE_FULL: str(depth)} if self.incremental else None,
+                base_content=self._base_content if base is not None else None,
+            )
+
+        try:
+            writer = writer_on(base, depth)
+        except CheckpointError as exc:
+            if base is None:
+                raise
+            # the base cannot be opened (deleted by hand, unreadable): this save is a full one
+            log.warning("%s: saving in full, the base %s cannot be used: %s", name, base, exc)
+            base, depth = None, 0
+            writer = writer_on(base, depth)
         try:
             ckpt_id = state.write_snapshot(writer, snap)
         except BaseException:
             writer.abort()
             raise
+        self._base = (name, depth)
+        self._base_content = (ckpt_id, writer.raw_digests) if self.incremental else None
+        referenced = writer.referenced
+        if referenced is not None:
+            log.info(
+                "%s: %d bytes referenced in %s (%d chunks), not written",
+                name,
+                referenced.bytes,
+                base,
+                referenced.chunks,
+            )
         self.last_checkpoint_id = ckpt_id
         if self._is_coordinator:
             self.run.set_latest(name, step, ckpt_id)
             self.run.gc(keep_last=self.keep_last, keep_every=self.keep_every, protect={name})
         return ckpt_id
+
+    def _base_for(self, name: str) -> tuple[str | None, int]:
+        """The base of the next durable save and its depth (saves since the last full one, 0: this one is full).
+
+        The newest durable checkpoint this manager saved or restored, the same on every rank (saves commit
+        collectively), so all ranks reference one base without asking storage."""
+        if not self.incremental or self._base is None or self._base[0] == name:
+            return None, 0
+        base_name, depth = self._base
+        if depth + 1 >= self.full_every:
+            return None, 0
+        return self.run.child_url(base_name), depth + 1
 
     @property
     def _is_coordinator(self) -> bool:
@@ -482,6 +543,8 @@ class CheckpointManager:
                     else:
                         snap = state.read_snapshot(ckpt, state.load_targets(model))
                         ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
+                        # a self-contained checkpoint is a full save whoever wrote it
+                        depth = _since_full(ckpt.manifest.metadata) if ckpt.manifest.bases else 0
                         bytes_read = ckpt.bytes_read
             except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
                 log.warning("skipping %s: cannot be read: %s: %s", entry_name, type(exc).__name__, exc)
@@ -531,6 +594,8 @@ class CheckpointManager:
             )
             self.last_checkpoint_id = restored.checkpoint_id
             self._step = restored.step if restored.step is not None else entry_step
+            if candidate.tier == "durable" and self.incremental:
+                self._base = (entry_name, depth)
             now = api.topology()
             live_mesh, _ = sharding.placements(model)  # the mesh the model is sharded on now, as a save records it
             if live_mesh:
@@ -660,6 +725,12 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _since_full(metadata: Mapping[str, str]) -> int:
+    """Saves since the last full one, as the checkpoint records it (unknown: as if full_every were reached)."""
+    value = metadata.get(SINCE_FULL, "")
+    return int(value) if value.isdigit() else 1 << 30
 
 
 def _log_topology_change(name: str, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:

@@ -1,0 +1,60 @@
+"""Opening the base of a referencing checkpoint, after checking it is the checkpoint that was referenced.
+
+A reader trusts a base for exactly what the referencing manifest says of it (spec/references.md): it is the
+sibling ``../<name>`` (REF-3), its manifest hashes to the recorded checkpoint id (REF-7), and it stores every
+referenced file itself, at the recorded size and digest (REF-8). Anything else is a
+:class:`~ckptfmt.errors.BaseCheckpointError` naming both checkpoints; chunk digests are then checked as for the
+checkpoint's own files, against the referencing manifest's records.
+"""
+
+from __future__ import annotations
+
+from .errors import BaseCheckpointError, CheckpointError
+from .manifest import Manifest, checkpoint_id, parse_manifest
+from .references import BaseRecord
+from .storage import Store
+
+
+def find_base(manifest: Manifest, location: str) -> BaseRecord:
+    for base in manifest.bases:
+        if base.location == location:
+            return base
+    raise BaseCheckpointError(f"no base {location!r} in the manifest", requirement="REF-6")
+
+
+def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -> Store:
+    """The store of base ``location`` of the checkpoint in ``own`` (``referrer``: its id, for messages)."""
+    from .reader import read_manifest_bytes
+
+    base = find_base(manifest, location)
+    store = own.sibling(base.name)
+    where = f"checkpoint {own.url} ({referrer[:19]}…) references {location} = {store.url} ({base.checkpoint_id})"
+    if store.url.rstrip("/") == own.url.rstrip("/"):
+        raise BaseCheckpointError(f"{where}, which is itself", path=location, requirement="REF-3")
+    try:
+        data = read_manifest_bytes(store)
+    except CheckpointError as exc:
+        store.close()
+        raise BaseCheckpointError(f"{where}, which is gone: {exc}", path=location, requirement="REF-7") from exc
+    found = checkpoint_id(data)
+    if found != base.checkpoint_id:
+        store.close()
+        raise BaseCheckpointError(
+            f"{where}, which was replaced: the checkpoint there is {found}", path=location, requirement="REF-7"
+        )
+    try:
+        stored = {f.path: f for f in parse_manifest(data).files}
+    except CheckpointError as exc:  # (the id matched: a manifest only a newer reader understands)
+        store.close()
+        raise BaseCheckpointError(f"{where}, whose manifest is refused: {exc}", path=location) from exc
+    for record in base.files:
+        own_record = stored.get(record.path)
+        if own_record is None or (own_record.size, own_record.digest) != (record.size, record.digest):
+            store.close()
+            raise BaseCheckpointError(
+                f"{where}, which does not itself store {record.path!r} at {record.size} bytes and digest "
+                f"{record.digest} (a reference must name the checkpoint that stores the bytes)",
+                path=location,
+                requirement="REF-8",
+            )
+    return store

@@ -1,0 +1,140 @@
+"""References to chunks stored in another checkpoint of the same run (spec/references.md).
+
+An incremental checkpoint records the chunks it did not write again as *references*: chunk records whose
+bytes live in a **base**, a sibling checkpoint named by its location (``../<name>``) and its checkpoint id.
+The manifest lists them under the ``ckptfmt.references`` extension (``must_understand``: a reader that does
+not know it would look for the bytes in the wrong checkpoint), with the size and digest of every base file a
+chunk uses. In memory a referenced chunk's ``path`` is *virtual*, ``<location>/<path in the base>`` (own paths
+never begin with ``.``, REF-2), so everything keyed by a chunk's path (file checks, the read plan, verify)
+works unchanged over a store that routes ``../<name>/`` to the base (:class:`~ckptfmt.storage.routed.RoutedStore`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from . import paths
+from .errors import ManifestError
+
+EXTENSION = "ckptfmt.references"
+PARENT = "../"
+_ID = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BaseFile:
+    """A file of a base that a referenced chunk lives in, with the size and digest the base's manifest gives."""
+
+    path: str  # in the base
+    size: int
+    digest: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "size": self.size, "digest": self.digest}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BaseRecord:
+    """One base: where it is (``../<name>``), which checkpoint it must be, and the files of it that are used."""
+
+    location: str
+    checkpoint_id: str
+    files: tuple[BaseFile, ...]
+
+    @property
+    def name(self) -> str:
+        """The base's directory name in the run directory."""
+        return self.location[len(PARENT) :]
+
+    def virtual(self, path: str) -> str:
+        return virtual_path(self.location, path)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "location": self.location,
+            "checkpoint_id": self.checkpoint_id,
+            "files": [f.to_dict() for f in self.files],
+        }
+
+
+def virtual_path(location: str, path: str) -> str:
+    """The key under which a reader addresses ``path`` of the base at ``location``."""
+    return f"{location}/{path}"
+
+
+def split_virtual(path: str) -> tuple[str, str] | None:
+    """``(location, path in the base)`` of a virtual path; None for a path of the checkpoint itself."""
+    if not path.startswith(PARENT):
+        return None
+    name, _, rest = path[len(PARENT) :].partition("/")
+    return PARENT + name, rest
+
+
+def location_of(name: str) -> str:
+    return PARENT + name
+
+
+def check_location(value: object) -> str:
+    """``../<segment>``: a sibling in the run directory, never absolute, never further up (REF-3)."""
+    if not isinstance(value, str) or not value.startswith(PARENT):
+        raise ManifestError(f"base location {value!r} must be '../<name>'", requirement="REF-3")
+    name = value[len(PARENT) :]
+    if not paths.is_segment(name):
+        raise ManifestError(
+            f"base location {value!r} must be '../' and one path segment (no '/', no leading '.')",
+            requirement="REF-3",
+        )
+    return value
+
+
+def parse_bases(must_understand: bool, configuration: Mapping[str, object] | None) -> tuple[BaseRecord, ...]:
+    """The ``ckptfmt.references`` extension's bases, checked as REF-1..REF-5 require."""
+    if not must_understand:
+        raise ManifestError(f"extension {EXTENSION!r} must be marked must_understand", requirement="REF-1")
+    bases = (configuration or {}).get("bases")
+    if type(bases) is not list or not bases:
+        raise ManifestError(f"extension {EXTENSION!r} needs a non-empty array 'bases'", requirement="REF-2")
+    out: list[BaseRecord] = []
+    seen: set[str] = set()
+    for raw in bases:
+        if type(raw) is not dict:
+            raise ManifestError("a base record must be an object", requirement="REF-2")
+        location = check_location(raw.get("location"))
+        if location in seen:
+            raise ManifestError(f"base {location!r} is listed twice", requirement="REF-3")
+        seen.add(location)
+        ckpt_id = raw.get("checkpoint_id")
+        if not isinstance(ckpt_id, str) or _ID.fullmatch(ckpt_id) is None:
+            raise ManifestError(
+                f"base {location!r}: 'checkpoint_id' must be 'sha256:' and 64 lowercase hex digits",
+                requirement="REF-4",
+            )
+        out.append(BaseRecord(location=location, checkpoint_id=ckpt_id, files=_files(location, raw.get("files"))))
+    return tuple(out)
+
+
+def _files(location: str, value: object) -> tuple[BaseFile, ...]:
+    from .manifest import parse_file_records  # the file records' own rules (MAN-13..16)
+
+    if type(value) is not list or not value:
+        raise ManifestError(f"base {location!r}: 'files' must be a non-empty array", requirement="REF-5")
+    try:
+        records = parse_file_records(value)
+    except ManifestError as exc:
+        raise ManifestError(f"base {location!r}: {exc.message}", path=exc.path, requirement=exc.requirement) from exc
+    return tuple(BaseFile(path=r.path, size=r.size, digest=r.digest) for r in records)
+
+
+def referenced_sizes(bases: Iterable[BaseRecord]) -> dict[str, int]:
+    """Virtual path -> size, for every base file the manifest lists."""
+    return {b.virtual(f.path): f.size for b in bases for f in b.files}
+
+
+def extension_dict(bases: Iterable[BaseRecord]) -> dict[str, object]:
+    return {
+        "name": EXTENSION,
+        "must_understand": True,
+        "configuration": {"bases": [b.to_dict() for b in sorted(bases, key=lambda b: b.location)]},
+    }

@@ -1,0 +1,91 @@
+"""A read-only view of a checkpoint root that also answers for the files of the checkpoints it references.
+
+A referencing checkpoint addresses a base's file by its virtual path ``../<name>/<path>`` (ckptfmt/references.py).
+This store sends such a path to the base's store, which ``open_base`` hands over once the base has been checked
+(its identity is the reader's business, not storage's); every other path goes to the checkpoint's own store.
+"""
+
+from __future__ import annotations
+
+import builtins
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+
+from ..errors import UsageError
+from .base import DEFAULT_MAX_READ, OutputFile, Store
+
+PARENT = "../"
+
+
+class RoutedStore(Store):
+    def __init__(self, own: Store, open_base: Callable[[str], Store]) -> None:
+        self.own = own
+        self.url = own.url
+        self.capabilities = own.capabilities
+        self._open_base = open_base
+        self._bases: dict[str, Store] = {}
+        self._lock = threading.Lock()
+
+    def base(self, location: str) -> Store:
+        """The store of the base at ``location`` (``../<name>``), opened (and checked) on first use."""
+        with self._lock:  # the base is checked once, by one thread, before any of its bytes is read
+            store = self._bases.get(location)
+            if store is None:
+                store = self._bases[location] = self._open_base(location)
+        return store
+
+    def _route(self, path: str) -> tuple[Store, str]:
+        if not path.startswith(PARENT):
+            return self.own, path
+        name, _, rest = path[len(PARENT) :].partition("/")
+        return self.base(PARENT + name), rest
+
+    def create(self, path: str) -> OutputFile:
+        raise UsageError("a checkpoint is read-only here", path=path)
+
+    def put_exclusive(self, path: str, data: bytes) -> None:
+        raise UsageError("a checkpoint is read-only here", path=path)
+
+    def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        store, rest = self._route(path)
+        return store.read(rest, max_size=max_size)
+
+    def read_into(self, path: str, begin: int, out: memoryview) -> None:
+        store, rest = self._route(path)
+        store.read_into(rest, begin, out)
+
+    def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
+        store, rest = self._route(path)
+        store.read_ranges(rest, requests, keep_cached=keep_cached)
+
+    def mapping(self, path: str) -> mmap.mmap | None:
+        store, rest = self._route(path)
+        return store.mapping(rest)
+
+    def size(self, path: str) -> int:
+        store, rest = self._route(path)
+        return store.size(rest)
+
+    def exists(self, path: str) -> bool:
+        store, rest = self._route(path)
+        return store.exists(rest)
+
+    def list(self) -> dict[str, int]:
+        return self.own.list()
+
+    def sibling(self, name: str) -> Store:
+        return self.own.sibling(name)
+
+    def delete(self, path: str) -> None:
+        raise UsageError("a checkpoint is read-only here", path=path)
+
+    def pending_uploads(self) -> builtins.list[tuple[str, str]]:
+        return []
+
+    def close(self) -> None:
+        self.own.close()
+        with self._lock:
+            bases, self._bases = list(self._bases.values()), {}
+        for store in bases:
+            store.close()
