@@ -25,12 +25,19 @@ def _render(doc: dict[str, Any]) -> str:
         f"code commit  {doc['code_commit'] or '-'}",
         f"size         {human_bytes(doc['total_bytes'])} in {doc['file_count']} files",
     ]
+    if doc["bases"]:
+        lines.append(f"referenced   {human_bytes(doc['referenced_bytes'])} stored in its bases:")
+        lines += [f"base         {b['location']} ({b['checkpoint_id']})" for b in doc["bases"]]
     lines += [f"metadata     {k} = {v}" for k, v in doc["metadata"].items()]
+    referencing = bool(doc["bases"])
     rows = [
-        [name, f["kind"], f["files"], human_bytes(f["bytes"]), f["tensors"], ",".join(f["dtypes"]) or "-"]
+        [name, f["kind"], f["files"], human_bytes(f["bytes"])]
+        + ([human_bytes(f["referenced_bytes"])] if referencing else [])
+        + [f["tensors"], ",".join(f["dtypes"]) or "-"]
         for name, f in doc["fields"].items()
     ]
-    lines += ["", table(["FIELD", "KIND", "FILES", "BYTES", "TENSORS", "DTYPES"], rows)]
+    header = ["FIELD", "KIND", "FILES", "BYTES", *(["REFERENCED"] if referencing else []), "TENSORS", "DTYPES"]
+    lines += ["", table(header, rows)]
     if doc["context"]:
         lines.append("")
         for name, summary in doc["context"].items():

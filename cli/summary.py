@@ -58,13 +58,15 @@ def describe(ckpt: ckptfmt.Checkpoint, *, tensor_glob: str | None) -> tuple[dict
     contexts: dict[str, Any] = {}
     all_read = True
     for name, record in manifest.fields.items():
-        paths = {c.path for t in record.tensors.values() for c in t.chunks}
+        paths = {c.path for t in record.tensors.values() for c in t.chunks if c.base is None}
         if record.context is not None:
             paths.add(record.context)
+        referenced = [c for t in record.tensors.values() for c in t.chunks if c.base is not None]
         fields[name] = {
             "kind": record.kind,
             "files": len(paths),
             "bytes": sum(sizes[p] for p in paths),
+            "referenced_bytes": sum(c.nbytes for c in referenced),  # stored in a base (spec/references.md)
             "tensors": len(record.tensors),
             "dtypes": sorted({t.dtype for t in record.tensors.values()}),
             "context": record.context is not None,
@@ -88,6 +90,10 @@ def describe(ckpt: ckptfmt.Checkpoint, *, tensor_glob: str | None) -> tuple[dict
         "metadata": dict(manifest.metadata),
         "total_bytes": manifest.total_bytes,
         "file_count": len(manifest.files),
+        "referenced_bytes": manifest.referenced_bytes,
+        "bases": [
+            {"location": b.location, "checkpoint_id": b.checkpoint_id, "files": len(b.files)} for b in manifest.bases
+        ],
         "fields": fields,
         "context": contexts,
     }

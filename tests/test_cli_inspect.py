@@ -125,3 +125,24 @@ def test_memory_url_with_storage_options(tmp_path: Path) -> None:
     run = run_cli("inspect", url, "--json", "--storage-option", "skip_instance_cache=true")
     assert run.exit_code == 0, run.stderr
     assert run.json()["url"] == url
+
+
+def test_a_referencing_checkpoint_shows_its_bases_and_referenced_bytes(tmp_path: Path) -> None:
+    import numpy as np
+
+    import ckptfmt
+
+    arrays = {"frozen": np.ones((256, 256), np.float32), "adapter": np.zeros((4, 4), np.float32)}
+    with ckptfmt.open_writer(tmp_path / "step-1", profile="weights") as w:
+        w.write_tensors("weights", arrays)
+    with ckptfmt.open_writer(tmp_path / "step-2", profile="weights", base=tmp_path / "step-1") as w:
+        w.write_tensors("weights", {**arrays, "adapter": arrays["adapter"] + 1})
+    run = run_cli("inspect", str(tmp_path / "step-2"), "--json")
+    assert run.exit_code == 0, run.stderr
+    doc = run.json()
+    assert doc["referenced_bytes"] == arrays["frozen"].nbytes
+    assert [b["location"] for b in doc["bases"]] == ["../step-1"]
+    assert doc["fields"]["weights"]["referenced_bytes"] == arrays["frozen"].nbytes
+    assert doc["fields"]["weights"]["bytes"] < 1024  # the adapter's file alone
+    text = run_cli("inspect", str(tmp_path / "step-2")).stdout
+    assert "referenced   256.0 KiB stored in its bases" in text and "base         ../step-1 (sha256:" in text
