@@ -15,6 +15,7 @@ from ckptfmt.canonical import canonical_json
 from ckptfmt.describe import describe
 
 from .inputs import training_base, weights_base
+from .invalid import Invalid
 from .invalid_blocks import VECTORS as BLOCK_VECTORS
 from .invalid_blocks import blocks_input
 from .invalid_codecs import VECTORS as CODEC_VECTORS
@@ -23,6 +24,8 @@ from .invalid_context import VECTORS as CONTEXT_VECTORS
 from .invalid_manifest import VECTORS as MANIFEST_VECTORS
 from .invalid_ranks import VECTORS as RANK_VECTORS
 from .invalid_ranks import ranks_input
+from .invalid_references import RUNS, Base, chain_input, ref_weights_input
+from .invalid_references import VECTORS as REFERENCE_VECTORS
 from .invalid_tensors import VECTORS as TENSOR_VECTORS
 from .mutations import Tree
 from .reference_writer import write
@@ -30,13 +33,23 @@ from .scenarios import SCENARIOS
 from .valid import VALID
 from .values import expected_description, load
 
-INVALID = (*MANIFEST_VECTORS, *TENSOR_VECTORS, *CONTEXT_VECTORS, *CODEC_VECTORS, *RANK_VECTORS, *BLOCK_VECTORS)
+INVALID = (
+    *MANIFEST_VECTORS,
+    *TENSOR_VECTORS,
+    *CONTEXT_VECTORS,
+    *CODEC_VECTORS,
+    *RANK_VECTORS,
+    *BLOCK_VECTORS,
+    *REFERENCE_VECTORS,
+)
 BASES = {
     "weights": weights_base,
     "training-minimal": training_base,
     "zstd": zstd_input,
     "ranks": ranks_input,
     "blocks": blocks_input,
+    "ref-weights": ref_weights_input,
+    "ref-chain": chain_input,
 }
 
 
@@ -50,12 +63,21 @@ def _json(path: Path, value: object) -> None:
     path.write_bytes(canonical_json(value))
 
 
+def _write_bases(bases: tuple[Base, ...], target: Path) -> None:
+    """The checkpoints a vector's checkpoint references, written beside it (``<vector>/<name>``), in order."""
+    for base in bases:
+        write(_normalized(base.input()), target / base.name)
+        if base.post is not None:
+            base.post(Tree(target / base.name))
+
+
 def generate(out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     for spec in VALID:
         target = out / "valid" / spec.name
         doc = _normalized(spec.input())
+        _write_bases(spec.bases, target)
         write(doc, target / "checkpoint")
         if spec.post is not None:
             spec.post(Tree(target / "checkpoint"))
@@ -72,19 +94,7 @@ def generate(out: Path) -> None:
         if spec.writer:
             _json(target / "writer-input.json", doc)
     for inv in INVALID:
-        target = out / "invalid" / inv.name
-        write(_normalized(BASES[inv.base]()), target / "checkpoint")
-        inv.mutate(Tree(target / "checkpoint"))
-        expected: dict[str, Any] = {
-            "base": inv.base,
-            "note": inv.note,
-            "outcome": "rejected",
-            "requirements": list(inv.requirements),
-            "scope": inv.scope,
-        }
-        if inv.also:
-            expected["also"] = list(inv.also)
-        _json(target / "expected.json", expected)
+        write_invalid(inv, out / "invalid" / inv.name)
     for sc in SCENARIOS:
         target = out / "writer" / sc.name
         if sc.setup is not None:
@@ -94,3 +104,20 @@ def generate(out: Path) -> None:
             target / "expected.json",
             {"after": sc.after, "note": sc.note, "outcome": "refused", "requirements": list(sc.requirements)},
         )
+
+
+def write_invalid(inv: Invalid, target: Path) -> None:
+    """An invalid vector: its base checkpoint (beside the bases it references), mutated, and its expected.json."""
+    _write_bases(RUNS.get(inv.base, ()), target)
+    write(_normalized(BASES[inv.base]()), target / "checkpoint")
+    inv.mutate(Tree(target / "checkpoint"))
+    expected: dict[str, Any] = {
+        "base": inv.base,
+        "note": inv.note,
+        "outcome": "rejected",
+        "requirements": list(inv.requirements),
+        "scope": inv.scope,
+    }
+    if inv.also:
+        expected["also"] = list(inv.also)
+    _json(target / "expected.json", expected)

@@ -46,6 +46,8 @@ ID = re.compile(r"[A-Z]+-[0-9]+")
 REDUNDANT: dict[str, str] = {
     "SAF-2": "SAF-3: a header length over 100,000,000 runs past the end of any data file under 100 MB, "
     "and the suite holds no such file (st-header-too-large names SAF-3 in also)",
+    "REF-4": "REF-7: a checkpoint_id that is not 'sha256:' and 64 lowercase hex digits is the id of no checkpoint, so "
+    "the base a verifying reader opens never has it (the REF-4 vectors name REF-7 in also)",
     "TEN-20": "SAF-13 with SAF-11: a verifying reader compares every chunk's range with its header entry, "
     "and entries lie in the file's data section, so no range past the end (or reversed) matches one",
     "TEN-21": "SAF-13 with SAF-9: the header entry must have the chunk's dtype, shape and range, and its "

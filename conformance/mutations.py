@@ -46,11 +46,12 @@ class Tree:
         self.set_manifest(doc)
 
     def chunks(self, doc: Json, path: str) -> Iterator[Json]:
-        """Every chunk record of ``doc`` stored in the data file ``path``."""
+        """Every chunk record of ``doc`` stored in the data file ``path`` of this checkpoint: not a referenced chunk,
+        whose ``path`` is a file of its base (spec/references.md)."""
         for field in doc["fields"].values():
             for tensor in field.get("tensors", {}).values():
                 for chunk in tensor["chunks"]:
-                    if chunk["path"] == path:
+                    if chunk["path"] == path and "base" not in chunk:
                         yield chunk
 
     # -- files

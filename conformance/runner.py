@@ -1,10 +1,12 @@
 """Run an implementation's adapters over the vectors: one :class:`~.results.Result` per vector.
 
 Reader: ``CMD <vector>/checkpoint`` must print the expected description (valid) or refuse
-(invalid); the judge is conformance/classify.py. Writer: ``CMD <writer-input.json> <out_dir>`` must
+(invalid); the judge is conformance/classify.py; the checkpoints it references are its siblings in the
+vector's directory. Writer: ``CMD <writer-input.json> <out_dir>`` must
 write a checkpoint whose content the reference reader returns as the input describes, passing every
 writer check, twice byte-identically; and must refuse each writer scenario, leaving its output
-directory as the scenario says.
+directory as the scenario says. The output directory's siblings are copies of the vector's bases, which a
+writer input's hint ``base`` may name (spec/references.md).
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def _tree(root: Path) -> dict[str, bytes]:
 def _write_valid(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Result:
     source = vec.path / "writer-input.json"
     first, second = tmp / "first", tmp / "second"
+    for base in vec.bases:  # the checkpoints an input's hint "base" may name, beside the output directory
+        shutil.copytree(base, tmp / base.name, symlinks=True)
     ex = call(cmd, source, first, timeout=timeout)
     seconds = ex.seconds
     problems: list[tuple[Kind, tuple[str, ...], str]] = []  # kind, the IDs it fails, message

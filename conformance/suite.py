@@ -55,6 +55,14 @@ class Vector:
         return self.name.split("/", 1)[0]
 
     @property
+    def bases(self) -> tuple[Path, ...]:
+        """The checkpoints beside ``checkpoint/`` that it references (spec/references.md): the vector's directory
+        is their run directory, so every other directory of it (``step-1``, ...) is one."""
+        if self.kind == "writer":
+            return ()
+        return tuple(sorted(p for p in self.path.iterdir() if p.is_dir() and p.name != "checkpoint"))
+
+    @property
     def writes(self) -> bool:
         """Whether the writer direction runs it: a writer input, or a writer scenario."""
         return self.kind == "writer" or (self.path / "writer-input.json").is_file()

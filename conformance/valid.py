@@ -33,6 +33,22 @@ from .inputs import (
 from .invalid_blocks import block_digests, blocks_input, chunk_of
 from .invalid_codecs import to_zstd, zstd_input
 from .invalid_ranks import ranks_input
+from .invalid_references import (
+    CHAIN_BASES,
+    REF_WEIGHTS_BASES,
+    STEP1,
+    Base,
+    base_members,
+    chain_input,
+    flattened,
+    other_weights,
+    ref_blocks_input,
+    ref_shards_input,
+    ref_weights_input,
+    ref_zstd_input,
+    same_key,
+    shards_doc,
+)
 from .mutations import Json, Tree
 
 
@@ -53,6 +69,7 @@ class Valid:
     post: Callable[[Tree], None] | None = None
     writer: bool = True
     expect: Callable[[dict[str, Any]], None] | None = None  # how ``post`` changes the description
+    bases: tuple[Base, ...] = ()  # checkpoints written beside it first, in order (spec/references.md)
 
 
 def _rows(n_rows: int, sizes: list[int], width: int) -> list[dict[str, Any]]:
@@ -559,6 +576,71 @@ VALID: tuple[Valid, ...] = (
         post=lambda t: t.edit(lambda d: block_edge_cases(t, d)),
         writer=False,
         expect=lambda d: d.update(format_version="1.2"),
+    ),
+    Valid(
+        "ref-weights",
+        ("REF-6", "REF-7", "REF-8", "REF-9", "REF-10"),
+        "The weights vector with w changed, written beside step-1 (the weights vector): chunks of s and e are "
+        "referenced in step-1, w is stored; both data files are weights/r00000-00000.safetensors. The base of the "
+        "invalid REF vectors.",
+        ref_weights_input,
+        bases=REF_WEIGHTS_BASES,
+    ),
+    Valid(
+        "ref-blocks",
+        ("REF-6", "REF-9", "BLK-6", "VER-1"),
+        "The blocks vector with steps changed, beside step-1 (the blocks vector): its chunks with blocks referenced, "
+        "at ranges past the end of the checkpoint's own file of the same name (TEN-20 takes the base's size); "
+        "format_version 1.2.",
+        ref_blocks_input,
+        bases=(Base(STEP1, blocks_input),),
+        expect=lambda d: d.update(format_version="1.2"),
+    ),
+    Valid(
+        "ref-mixed-shards",
+        ("REF-6", "TEN-17", "TEN-18"),
+        "A tensor in four row chunks, two changed since step-1 (stored here) and two not (referenced in step-1).",
+        ref_shards_input,
+        bases=(Base(STEP1, shards_doc),),
+    ),
+    Valid(
+        "ref-zstd",
+        ("REF-6", "REF-9", "VER-1"),
+        "The zstd vector's tensors with steps changed, beside step-1 (the zstd vector), its floating tensors declared "
+        "frozen (hint 'frozen'): the zstd chunks are referenced with the base's codec; format_version 1.1 (VER-1 "
+        "counts referenced chunks).",
+        ref_zstd_input,
+        bases=(Base(STEP1, zstd_input, post=to_zstd),),
+        expect=lambda d: d.update(format_version="1.1"),
+    ),
+    Valid(
+        "ref-chain",
+        ("REF-6", "REF-8"),
+        "Three checkpoints: step-2 references step-1; this one changed c only, and references a where it is stored, "
+        "in step-1 (through no chain: step-2 only references it), and b in step-2.",
+        chain_input,
+        post=flattened,
+        bases=CHAIN_BASES,
+    ),
+    Valid(
+        "ref-same-key",
+        ("REF-6", "TEN-22"),
+        "The ref-weights vector with its own chunk w keyed s@0, as referenced chunk s@0: the same path and key, "
+        "another base, so not the same chunk (TEN-22 compares base, path and key).",
+        ref_weights_input,
+        post=same_key,
+        writer=False,
+        bases=REF_WEIGHTS_BASES,
+    ),
+    Valid(
+        "base-member-without-extension",
+        ("VER-5",),
+        "The weights vector with 'base': '../step-1' in every chunk but no ckptfmt.references extension: an unknown "
+        "member; step-1 beside it holds other bytes for w.",
+        weights_base,
+        post=base_members,
+        writer=False,
+        bases=(Base(STEP1, other_weights),),
     ),
     Valid(
         "minor-version",

@@ -2,7 +2,8 @@
 
 The content itself is compared by the runner (reference reader vs the writer input); these checks
 look at what content comparison cannot see: bytes, names and inventory. COM-16 (determinism) is
-checked by the runner, which calls the writer twice.
+checked by the runner, which calls the writer twice. The reference checks (REF-11, REF-12) compare the
+referenced chunks with the manifests of the bases beside the output, where the runner put them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .msgpack_scan import encoding_problems
 DIGEST = re.compile(r"(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})")
 DATA_NAME = re.compile(r"([a-z][a-z0-9_]{0,63})/r[0-9]{5,}-[0-9]{5,}\.safetensors")
 ID_IN_OUTPUT = re.compile(r"sha256:[0-9a-f]{64}")
+REFERENCES = "ckptfmt.references"
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,28 @@ class Output:
     manifest: dict[str, Any]
 
     def chunks(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, chunk record) of every chunk stored in the checkpoint's own files (not a referenced one)."""
+        return [(fname, chunk) for fname, _, chunk in self.all_chunks() if "base" not in chunk]
+
+    def referenced(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(field, tensor, chunk record) of every referenced chunk (spec/references.md)."""
+        return [(fname, tname, chunk) for fname, tname, chunk in self.all_chunks() if "base" in chunk]
+
+    def all_chunks(self) -> list[tuple[str, str, dict[str, Any]]]:
         return [
-            (fname, chunk)
+            (fname, tname, chunk)
             for fname, field in self.manifest["fields"].items()
-            for tensor in field.get("tensors", {}).values()
+            for tname, tensor in field.get("tensors", {}).items()
             for chunk in tensor["chunks"]
         ]
+
+    def base_records(self) -> list[dict[str, Any]]:
+        """The base records of the ``ckptfmt.references`` extension ([] without it)."""
+        for ext in self.manifest.get("extensions", []):
+            if ext.get("name") == REFERENCES:
+                bases: list[dict[str, Any]] = ext.get("configuration", {}).get("bases", [])
+                return bases
+        return []
 
     def contexts(self) -> dict[str, str]:
         return {f: rec["context"]["path"] for f, rec in self.manifest["fields"].items() if "context" in rec}
@@ -77,7 +95,8 @@ def inventory(out: Output) -> list[str]:
 
 def paths(out: Output) -> list[str]:
     problems = []
-    for path in [r["path"] for r in out.manifest["files"]] + [c["path"] for _, c in out.chunks()]:
+    written = [r["path"] for r in out.manifest["files"]] + [c["path"] for _, _, c in out.all_chunks()]
+    for path in written + [f["path"] for b in out.base_records() for f in b.get("files", [])]:
         try:
             check_path(path)
         except CheckpointError as exc:
@@ -110,13 +129,15 @@ def one_field_per_file(out: Output) -> list[str]:
 
 
 def digests(out: Output) -> list[str]:
-    values = [r["digest"] for r in out.manifest["files"]] + [c["digest"] for _, c in out.chunks()]
+    values = [r["digest"] for r in out.manifest["files"]] + [c["digest"] for _, _, c in out.all_chunks()]
+    values += [f["digest"] for b in out.base_records() for f in b.get("files", [])]
     return [
         f"digest {d!r} is not xxh3-128 or sha256 in canonical form" for d in values if DIGEST.fullmatch(str(d)) is None
     ]
 
 
 def codecs(out: Output) -> list[str]:
+    """The inputs ask for no codec: every chunk the writer stored is raw (a referenced one has the base's, REF-11)."""
     return [
         f"chunk {c['key']!r} has codec {c['codec']!r}" for _, c in out.chunks() if c.get("codec") != {"name": "raw"}
     ]
@@ -265,6 +286,106 @@ def block_digests(out: Output) -> list[str]:
     return problems
 
 
+REFERENCED_MEMBERS = ("path", "key", "range", "digest", "codec", "blocks")
+
+
+@dataclass(frozen=True)
+class _Base:
+    """A checkpoint beside the output that a base record names: its id and what it stores itself."""
+
+    checkpoint_id: str
+    files: dict[str, dict[str, Any]]  # path -> its own file record
+    chunks: dict[tuple[str, str], tuple[str, str, dict[str, Any], dict[str, Any]]]  # (path, key) -> field, tensor...
+
+
+def _base(out: Output, location: str, cache: dict[str, _Base | str]) -> _Base | str:
+    """The base at ``location`` (beside the output), or why it cannot be one."""
+    if location not in cache:
+        name = location.removeprefix("../")
+        if not location.startswith("../") or "/" in name or name in ("", ".", ".."):
+            cache[location] = f"location {location!r} is not '../<name>'"
+        elif not (out.root.parent / name / "manifest.json").is_file():
+            cache[location] = f"there is no checkpoint at {location}"
+        else:
+            raw = (out.root.parent / name / "manifest.json").read_bytes()
+            doc = json.loads(raw)
+            cache[location] = _Base(
+                checkpoint_id="sha256:" + hashlib.sha256(raw).hexdigest(),
+                files={r["path"]: r for r in doc["files"]},
+                chunks={
+                    (c["path"], c["key"]): (fname, tname, tensor, c)
+                    for fname, field in doc["fields"].items()
+                    for tname, tensor in field.get("tensors", {}).items()
+                    for c in tensor["chunks"]
+                    if "base" not in c  # what the base stores itself
+                },
+            )
+    return cache[location]
+
+
+def references_recorded(out: Output) -> list[str]:
+    """REF-11: a referenced chunk is a chunk its base stores itself, recorded as the base records it; the base
+    record has the base's id and file records; no base record and no base file goes unused."""
+    problems: list[str] = []
+    records = {b.get("location"): b for b in out.base_records()}
+    cache: dict[str, _Base | str] = {}
+    used: set[tuple[str, str]] = set()
+    for _, _, chunk in out.referenced():
+        where = f"referenced chunk {chunk.get('key')!r} of {chunk.get('base')}"
+        record = records.get(chunk["base"])
+        if record is None:
+            problems.append(f"{where}: no base record has that location")
+            continue
+        base = _base(out, chunk["base"], cache)
+        if isinstance(base, str):
+            problems.append(f"{where}: {base}")
+            continue
+        used.add((chunk["base"], chunk["path"]))
+        stored = base.chunks.get((chunk["path"], chunk["key"]))
+        if stored is None:
+            problems.append(f"{where}: the base does not store it itself (reference it where it is stored)")
+            continue
+        differs = [m for m in REFERENCED_MEMBERS if chunk.get(m) != stored[3].get(m)]
+        if differs:
+            problems.append(f"{where}: its {', '.join(differs)} differ from the base's record of it")
+    for location, record in records.items():
+        base = _base(out, str(location), cache)
+        if isinstance(base, str):
+            problems.append(f"base record {location}: {base}")
+            continue
+        if record.get("checkpoint_id") != base.checkpoint_id:
+            problems.append(f"base record {location}: checkpoint_id is not the id of the checkpoint there")
+        for f in record.get("files", []):
+            if (location, f.get("path")) not in used:
+                problems.append(f"base record {location} lists {f.get('path')}, where no referenced chunk lives")
+            elif base.files.get(f["path"]) != f:
+                problems.append(f"base record {location}: {f['path']} is not the base's own record of it")
+    return problems
+
+
+def references_match(out: Output) -> list[str]:
+    """REF-12: a chunk is referenced only for a chunk of the same tensor (field, name, dtype, shape), at the same
+    offsets and of the same shape (its bytes are compared by the reference reader's read-back of the content)."""
+    problems: list[str] = []
+    cache: dict[str, _Base | str] = {}
+    for fname, tname, chunk in out.referenced():
+        base = _base(out, chunk["base"], cache)
+        stored = None if isinstance(base, str) else base.chunks.get((chunk["path"], chunk["key"]))
+        if stored is None:
+            continue  # REF-11's to report
+        tensor = out.manifest["fields"][fname]["tensors"][tname]
+        mine = (fname, tname, tensor["dtype"], tensor["shape"], chunk["offsets"], chunk["shape"])
+        field, name, record, found = stored
+        theirs = (field, name, record["dtype"], record["shape"], found["offsets"], found["shape"])
+        if mine != theirs:
+            problems.append(
+                f"chunk {chunk['key']!r} of {fname}/{tname} references a chunk of {theirs[0]}/{theirs[1]} "
+                f"({theirs[2]} {theirs[3]}, offsets {theirs[4]}, shape {theirs[5]}), not one of {mine[2]} {mine[3]} "
+                f"at offsets {mine[4]}, shape {mine[5]}"
+            )
+    return problems
+
+
 def lock_removed(out: Output) -> list[str]:
     return [".writer-lock is still there after the save"] if (out.root / ".writer-lock").exists() else []
 
@@ -286,6 +407,8 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("PRO-2", profile_fields),
     ("VER-1", version),
     ("BLK-4", block_digests),
+    ("REF-11", references_recorded),
+    ("REF-12", references_match),
     ("COM-13", lock_removed),
 )
 DETERMINISM = "COM-16"

@@ -147,9 +147,11 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 174
+    assert len(result.spec) == 188
     assert result.by_tests == {
         "BLK-5",
+        "REF-13",
+        "REF-14",
         "COM-17",
         "COM-18",
         "COM-19",
@@ -248,6 +250,7 @@ def test_dump_prints_the_expected_description() -> None:
         ("manifest-symlink", "MAN-25", "unsafe_path"),
         ("symlink-file", "PTH-3", "unsafe_path"),
         ("file-missing", "MAN-28", "missing_file"),
+        ("ref-base-replaced", "REF-7", "base_checkpoint"),
     ],
 )
 def test_dump_refuses_under_the_strict_protocol(vector: str, rid: str, code: str) -> None:
@@ -317,3 +320,46 @@ def test_the_writer_checks_catch_a_wrong_block_digest_and_a_wrong_version(tmp_pa
     problems = run_checks(root, "")
     assert [rid for rid, _ in problems] == ["VER-1", "BLK-4"], problems
     assert "block 0" in problems[1][1] and "'1.2'" in problems[0][1]
+
+
+def test_the_writer_checks_catch_a_chained_an_unused_and_a_mismatched_reference(tmp_path: Path) -> None:
+    """REF-11 and REF-12 as writer checks, in process, on the reference writer's chain vector tampered with."""
+    from ckptfmt.canonical import manifest_bytes
+    from conformance.invalid_references import add_base_file, chain_through_step2
+    from conformance.mutations import Tree
+    from conformance.writer_checks import run_checks
+
+    run = tmp_path / "run"
+    shutil.copytree(VECTORS / "valid" / "ref-chain", run, symlinks=True)  # the checkpoint and its bases
+    root = run / "checkpoint"
+    assert run_checks(root, "") == []
+    chain_through_step2(Tree(root))  # a, stored in step-1, referenced at step-2
+    problems = run_checks(root, "")
+    assert {rid for rid, _ in problems} == {"REF-11"}, problems
+    assert "the base does not store it itself" in problems[0][1]
+
+    shutil.rmtree(run)
+    shutil.copytree(VECTORS / "valid" / "ref-chain", run, symlinks=True)
+    add_base_file("provenance/context.msgpack")(Tree(root))  # a base file no chunk lives in
+    doc = json.loads((root / "manifest.json").read_bytes())
+    tensors = doc["fields"]["frozen"]["tensors"]
+    tensors["a2"] = tensors.pop("a")  # the base's chunk of tensor a, for a tensor a2
+    (root / "manifest.json").write_bytes(manifest_bytes(doc))
+    problems = run_checks(root, "")
+    assert [rid for rid, _ in problems] == ["REF-11", "REF-12"], problems
+    assert "lists provenance/context.msgpack" in problems[0][1] and "of frozen/a2" in problems[1][1]
+
+
+def test_each_pending_vector_is_still_refused_for_another_reason(tmp_path: Path) -> None:
+    """The vectors the reference reader does not pass yet (conformance/invalid_references.py, PENDING): each is
+    still refused on the ID recorded there; once the reader names the spec's rule, the vector moves into VECTORS."""
+    from conformance.generate import write_invalid
+    from conformance.invalid_references import PENDING
+
+    for pending in PENDING:
+        write_invalid(pending.vector, tmp_path / pending.vector.name)
+        with pytest.raises(CheckpointError) as info:
+            describe(tmp_path / pending.vector.name / "checkpoint")
+        named = (*pending.vector.requirements, *pending.vector.also)
+        assert info.value.requirement not in named, f"{pending.vector.name} passes now: move it into VECTORS"
+        assert info.value.requirement == pending.refused_on, (pending.vector.name, str(info.value))

@@ -28,6 +28,7 @@ SAMPLE = {  # requirement -> an invalid vector that must catch its mutant
     "SAF-13": "invalid/st-key-missing",
     "CTX-12": "invalid/ctx-ndarray-trailing",
     "MAN-25": "invalid/manifest-symlink",  # disabled, the reader crashes instead: strict catches, lenient not
+    "REF-7": "invalid/ref-base-replaced",  # a base beside the checkpoint (the vector's directory is its run directory)
 }
 
 
@@ -51,7 +52,20 @@ def test_a_mutant_disables_only_its_own_requirement() -> None:
 
 def test_every_refusal_id_of_the_reader_has_a_mutant() -> None:
     found = sites()
-    for rid in ("MAN-5", "MAN-25", "MAN-28", "DIG-2", "DIG-3", "DIG-4", "TEN-4", "TEN-17", "SAF-13", "PTH-3", "CTX-2"):
+    for rid in (
+        "MAN-5",
+        "MAN-25",
+        "MAN-28",
+        "DIG-2",
+        "DIG-3",
+        "DIG-4",
+        "TEN-4",
+        "TEN-17",
+        "SAF-13",
+        "PTH-3",
+        "CTX-2",
+        "REF-3",
+    ):
         assert rid in found, rid
 
 

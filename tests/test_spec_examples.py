@@ -54,12 +54,41 @@ def _broken(doc: dict[str, Any], how: str) -> dict[str, Any]:
             "blocks-digests-uppercase": {"size": 4096, "digests": "A" * digits},
             "blocks-no-digests": {"size": 4096},
         }[how]
+    elif how.startswith("references-"):  # spec/references.md: REF-1 to REF-5 as far as a schema can say them
+        out = _referencing(out)
+        ext = out["extensions"][0]
+        base = ext["configuration"]["bases"][0]
+        if how == "references-twice":
+            out["extensions"].append(copy.deepcopy(ext))
+        elif how == "references-not-must-understand":
+            ext["must_understand"] = False
+        elif how == "references-no-bases":
+            ext["configuration"] = {}
+        elif how == "references-location-up-two":
+            base["location"] = "../../step-1"
+        elif how == "references-id-uppercase":
+            base["checkpoint_id"] = "sha256:" + "A" * 64
+        elif how == "references-files-empty":
+            base["files"] = []
+    return out
+
+
+def _referencing(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its first chunk referenced in the base ``../step-1`` (which holds the same file)."""
+    out = copy.deepcopy(doc)
+    chunk = next(t for f in out["fields"].values() for t in f.get("tensors", {}).values())["chunks"][0]
+    chunk["base"] = "../step-1"
+    record = next(r for r in out["files"] if r["path"] == chunk["path"])
+    bases = [{"location": "../step-1", "checkpoint_id": "sha256:" + "0" * 64, "files": [dict(record)]}]
+    out["extensions"] = [{"name": "ckptfmt.references", "must_understand": True, "configuration": {"bases": bases}}]
     return out
 
 
 BROKEN = ["no-files", "version-not-a-string", "bad-digest", "negative-size"]
 BROKEN += ["blocks-not-an-object", "blocks-size-below-4096", "blocks-size-above-2^30", "blocks-digests-uppercase"]
 BROKEN += ["blocks-no-digests"]
+BROKEN += ["references-twice", "references-not-must-understand", "references-no-bases", "references-location-up-two"]
+BROKEN += ["references-id-uppercase", "references-files-empty"]
 
 
 @pytest.mark.parametrize("how", BROKEN)
@@ -77,3 +106,24 @@ def test_the_schema_accepts_the_block_digest_vectors(vector: str) -> None:
     path = SPEC.parent / "conformance" / "vectors" / "valid" / vector / "checkpoint" / "manifest.json"
     jsonschema.Draft202012Validator(SCHEMA).validate(json.loads(path.read_bytes()))
     parse_manifest(path.read_bytes())
+
+
+@pytest.mark.parametrize("vector", ["ref-weights", "ref-chain", "ref-zstd", "base-member-without-extension"])
+def test_the_schema_accepts_the_reference_vectors(vector: str) -> None:
+    """The schema's ``ckptfmt.references`` and chunk ``base`` against manifests the parser accepts; without the
+    extension, ``base`` is an unknown member (VER-5)."""
+    path = SPEC.parent / "conformance" / "vectors" / "valid" / vector / "checkpoint" / "manifest.json"
+    jsonschema.Draft202012Validator(SCHEMA).validate(json.loads(path.read_bytes()))
+    parse_manifest(path.read_bytes())
+
+
+def test_the_schema_accepts_a_referencing_example_and_refuses_a_chunk_base_that_is_no_location() -> None:
+    doc = _referencing(json.loads(EXAMPLES[0].read_text()))
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+    parse_manifest(json.dumps(doc).encode())
+    chunk = next(t for f in doc["fields"].values() for t in f.get("tensors", {}).values())["chunks"][0]
+    chunk["base"] = "step-1"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+    with pytest.raises(ManifestError):
+        parse_manifest(json.dumps(doc).encode())
