@@ -4,7 +4,9 @@
     run/latest.json        {"name": "step-000000100", "step": 100, "checkpoint_id": "sha256:..."}
     run/pins.json          {"pinned": ["step-000000050"]}
 
-The same rules serve the trainer's CheckpointManager, ``ckpt ls`` and ``ckpt gc``.
+The same rules serve the trainer's CheckpointManager, ``ckpt ls`` and ``ckpt gc``. A checkpoint may reference
+chunks of a sibling, its base (spec/references.md): retention keeps every base of what it keeps, and of what a
+live writer is saving (REF-13); deleting or replacing a referenced checkpoint is refused (REF-14).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import CheckpointError, MissingFileError, UnsafePathError
+from .errors import CheckpointError, MissingFileError, StorageError, UnsafePathError, UsageError
 from .jsonio import load_json
 from .layout import CONTEXT_NAME, DATA_SUFFIX
-from .lock import read_lock
+from .lock import WriterLock, read_lock
 from .manifest import MAX_MANIFEST_BYTES, checkpoint_id, parse_manifest
-from .paths import LOCK_NAME, MANIFEST_NAME
+from .paths import LOCK_NAME, MANIFEST_NAME, is_segment
+from .references import EXTENSION as REFERENCES
+from .references import PARENT
 from .storage import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,11 @@ class Entry:
     # as a writer names its files, or (uncommitted, local) a symlink or special file. gc never deletes them,
     # and leaves an uncommitted checkpoint holding any alone.
     foreign: tuple[str, ...] = ()
+    # The checkpoints (sibling names) it references chunks of: from its manifest when committed (read leniently
+    # when the manifest is refused), from its writer lock otherwise. ``size`` counts only its own files;
+    # ``referenced_bytes`` the stored bytes of the chunks it references in its bases instead of storing them.
+    bases: tuple[str, ...] = ()
+    referenced_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,11 +115,24 @@ class Entry:
             "created": self.created,
             "error": self.error,
             "foreign": list(self.foreign),
+            "bases": list(self.bases),
+            "referenced_bytes": self.referenced_bytes,
         }
 
 
-def _lock_is_live(store: Store, prefix: str, stale_after_s: float) -> bool:
-    """Whether a writer may still be working on ``prefix``.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetentionPlan:
+    """What retention deletes (:meth:`RunDirectory.plan_retention`), and what it keeps only for references."""
+
+    doomed: tuple[Entry, ...]
+    # name -> the checkpoints whose references keep it (committed referrers and live writers; REF-13),
+    # for each checkpoint that the retention rules alone would have deleted
+    referenced: Mapping[str, tuple[str, ...]]
+    hold: str | None = None  # why retention deletes no committed checkpoint now (see retention_hold)
+
+
+def _lock_state(store: Store, prefix: str, stale_after_s: float) -> tuple[bool, WriterLock | None]:
+    """Whether a writer may still be working on ``prefix``, and its lock (None: unreadable).
 
     As spec/commit.md: a lock is dead only when its holder is known to be gone (a pid of this host
     that no longer runs). A lock of another host counts as live until ``stale_after_s`` after its
@@ -118,13 +140,44 @@ def _lock_is_live(store: Store, prefix: str, stale_after_s: float) -> bool:
     """
     lock = read_lock(store, f"{prefix}/{LOCK_NAME}")
     if lock is None:
-        return True
+        return True, None
     if lock.holder_is_dead():
-        return False
+        return False, lock
     if lock.host == socket.gethostname():
-        return True
+        return True, lock
     age = lock.age_seconds()
-    return age is None or age < stale_after_s
+    return age is None or age < stale_after_s, lock
+
+
+def referenced_names(data: bytes) -> tuple[str, ...]:
+    """The base names a manifest's ``ckptfmt.references`` extension lists, read leniently.
+
+    Counting references must not depend on the manifest passing every check: one that a reader refuses (or
+    only a newer reader understands) may still reference siblings, and keeping them costs only space.
+    """
+    try:
+        doc = load_json(data, error=CheckpointError, what="manifest", allow_float=True)
+    except CheckpointError:
+        return ()
+    extensions = doc.get("extensions") if isinstance(doc, dict) else None
+    names: list[str] = []
+    for ext in extensions if isinstance(extensions, list) else ():
+        if not (isinstance(ext, dict) and ext.get("name") == REFERENCES):
+            continue
+        config = ext.get("configuration")
+        bases = config.get("bases") if isinstance(config, dict) else None
+        for base in bases if isinstance(bases, list) else ():
+            location = base.get("location") if isinstance(base, dict) else None
+            if isinstance(location, str) and location.startswith(PARENT) and is_segment(location[len(PARENT) :]):
+                names.append(location[len(PARENT) :])
+    return tuple(sorted(set(names)))
+
+
+def _unreadable_lock(name: str) -> dict[str, str]:
+    return CheckpointError(
+        "its writer lock cannot be read: the checkpoints its writer references are unknown",
+        path=f"{name}/{LOCK_NAME}",
+    ).to_dict()
 
 
 class RunDirectory:
@@ -176,16 +229,20 @@ class RunDirectory:
         common: dict[str, Any] = {"name": name, "step": step_of(name), "size": size, "files": len(files)}
         if MANIFEST_NAME not in files:
             foreign = tuple(sorted(p for p in files if not (writer_made(p) and self._is_plain_file(f"{name}/{p}"))))
-            live = LOCK_NAME in files and _lock_is_live(self.store, name, self.stale_after_s)
+            live, lock = _lock_state(self.store, name, self.stale_after_s) if LOCK_NAME in files else (False, None)
             status: Status = "writing" if live else "incomplete"
-            return Entry(status=status, foreign=foreign, **common)
+            error = _unreadable_lock(name) if live and lock is None else None
+            bases = lock.bases if lock is not None else ()
+            return Entry(status=status, foreign=foreign, error=error, bases=bases, **common)
         from .reader import open_checkpoint
 
+        data = b""
         try:
             data = self.store.read(f"{name}/{MANIFEST_NAME}", max_size=MAX_MANIFEST_BYTES)
             manifest = parse_manifest(data)  # what every reader checks before it trusts a manifest
         except CheckpointError as exc:
-            return Entry(status="invalid manifest", error=exc.to_dict(), **common)
+            bases = referenced_names(data) if data else ()
+            return Entry(status="invalid manifest", error=exc.to_dict(), bases=bases, **common)
         listed = {f.path for f in manifest.files}
         common["foreign"] = tuple(sorted(p for p in files if p not in listed and not writer_made(p)))
         created, error = None, None
@@ -205,6 +262,8 @@ class RunDirectory:
             profile=manifest.profile,
             created=created,
             error=error,
+            bases=tuple(sorted(b.name for b in manifest.bases)),
+            referenced_bytes=manifest.referenced_bytes,
             **common,
         )
 
@@ -302,25 +361,88 @@ class RunDirectory:
             raise
         self.store.sync_dirs([path])
 
+    # ---------------------------------------------------------------- references
+
+    def _reference_scan(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        """Who references whom now, read afresh and cheaply (no provenance, manifests read leniently): each
+        committed checkpoint -> the bases its manifest lists; each live writer -> the bases its lock lists."""
+        groups: dict[str, set[str]] = {}
+        for path in self.store.list():
+            head, sep, rest = path.partition("/")
+            if sep and not head.startswith("."):
+                groups.setdefault(head, set()).add(rest)
+        committed: dict[str, tuple[str, ...]] = {}
+        writers: dict[str, tuple[str, ...]] = {}
+        for name, files in groups.items():
+            if MANIFEST_NAME in files:
+                try:
+                    data = self.store.read(f"{name}/{MANIFEST_NAME}", max_size=MAX_MANIFEST_BYTES)
+                except StorageError:
+                    raise  # unknown is not "references nothing": never delete on a guess
+                except CheckpointError:
+                    continue  # gone meanwhile, or a file no reader would open (symlink, too large)
+                committed[name] = referenced_names(data)
+            if LOCK_NAME in files:  # (beside a manifest: a writer about to replace it)
+                live, lock = _lock_state(self.store, name, self.stale_after_s)
+                if live and lock is not None:
+                    writers[name] = lock.bases
+        return committed, writers
+
+    def referrers(self, name: str) -> list[str]:
+        """The committed checkpoints of the run directory that reference chunks stored in ``name``."""
+        committed, _ = self._reference_scan()
+        return sorted(c for c, bases in committed.items() if c != name and name in bases)
+
+    def _users(self, name: str, scan: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]) -> list[str]:
+        """What needs ``name`` to stay, described: committed referrers and live writers naming it (REF-13)."""
+        committed, writers = scan
+        users = [f"{c} (committed)" for c, bases in sorted(committed.items()) if c != name and name in bases]
+        users += [f"{w} (live writer)" for w, bases in sorted(writers.items()) if w != name and name in bases]
+        return users
+
+    def check_replaceable(self, name: str) -> None:
+        """Refuse to replace the committed checkpoint ``name`` while a committed sibling or a live writer
+        references it (REF-14): the replacement has another checkpoint id, so every reference to the old one
+        would be refused (REF-7). No-op when nothing is committed there. Call it before un-committing ``name``."""
+        if not self.store.exists(f"{name}/{MANIFEST_NAME}"):
+            return
+        users = self._users(name, self._reference_scan())
+        if users:
+            raise UsageError(
+                f"cannot replace {name}: {', '.join(users)} reference(s) it, and would no longer be restorable",
+                path=self.child_url(name),
+                requirement="REF-14",
+            )
+
     # ---------------------------------------------------------------- retention
 
-    def plan_gc(
+    def plan_retention(
         self,
         *,
         keep_last: int | None,
         keep_every: int | None = None,
         protect: Iterable[str] = (),
         entries: list[Entry] | None = None,
-    ) -> list[Entry]:
+    ) -> RetentionPlan:
         """What retention deletes: committed checkpoints outside keep_last/keep_every/pins/latest, and the
-        remains of dead writers. Never a checkpoint a live writer holds, one whose manifest is invalid,
-        nor one in ``protect``. ``keep_last`` counts committed checkpoints from the highest step down."""
+        remains of dead writers. Never a checkpoint a live writer holds, one whose manifest is invalid, one in
+        ``protect``, nor a committed checkpoint that something kept references: a kept (or live, or invalid)
+        checkpoint's bases, as its manifest lists them, and a live writer's, as its lock lists them (REF-13),
+        closed transitively. ``keep_last`` counts committed checkpoints from the highest step down."""
         entries = self.entries() if entries is None else entries
-        hold = self.retention_hold()
+        pointers_hold = self.retention_hold()
+        hold = pointers_hold
+        unknown = [e.name for e in entries if e.status == "writing" and e.error is not None]
+        if unknown:
+            why = (
+                f"the writer lock of {', '.join(unknown)} cannot be read, so which checkpoints its writer "
+                "references is unknown — committed checkpoints are kept until it is repaired"
+            )
+            hold = why if hold is None else f"{hold}; {why}"
         if hold is not None:
             log.warning("retention suspended: %s", hold)
             keep_last = None  # delete only the remains of dead writers
-        keep = set(protect) | (self.pinned() if hold is None else set())
+        keep = set(protect) | (self.pinned() if pointers_hold is None else set())
         latest = self.latest()
         if latest:
             keep.add(latest["name"])
@@ -329,7 +451,7 @@ class RunDirectory:
             keep.update(e.name for e in committed[:keep_last])
         if keep_every:
             keep.update(e.name for e in committed if e.step is not None and e.step % keep_every == 0)
-        doomed = []
+        doomed: dict[str, Entry] = {}
         for entry in entries:
             # An unreadable manifest is not a crash's remains (the manifest is written last, checked): it is
             # corrupt or from a newer format version, and deleting it is an operator's call.
@@ -339,11 +461,50 @@ class RunDirectory:
                 continue  # no retention rule given: gc removes only the remains of dead writers
             if entry.status != "committed" and entry.foreign:
                 continue  # not provably a writer's remains: someone else's files live there
-            doomed.append(entry)
-        return doomed
+            doomed[entry.name] = entry
+        referenced = self._rescue(entries, doomed)
+        return RetentionPlan(
+            doomed=tuple(e for e in entries if e.name in doomed),
+            referenced={name: tuple(sorted(users)) for name, users in sorted(referenced.items())},
+            hold=hold,
+        )
 
-    def delete(self, name: str) -> list[str]:
+    @staticmethod
+    def _rescue(entries: list[Entry], doomed: dict[str, Entry]) -> dict[str, list[str]]:
+        """Take out of ``doomed`` every committed checkpoint that a survivor references, transitively (REF-8
+        makes references one level deep; a hand-made or future chain is kept whole all the same); returns
+        name -> the survivors that reference it, for each checkpoint taken out."""
+        rescued: dict[str, list[str]] = {}
+        users = [
+            e for e in entries if e.name not in doomed and e.status in ("committed", "writing", "invalid manifest")
+        ]
+        while users:
+            user = users.pop()
+            for base in user.bases:
+                if base in doomed and doomed[base].status == "committed":
+                    users.append(doomed.pop(base))
+                    rescued[base] = []
+                if base in rescued and base != user.name:
+                    rescued[base].append(user.name)
+        return rescued
+
+    def plan_gc(
+        self,
+        *,
+        keep_last: int | None,
+        keep_every: int | None = None,
+        protect: Iterable[str] = (),
+        entries: list[Entry] | None = None,
+    ) -> list[Entry]:
+        """The entries :meth:`plan_retention` dooms."""
+        plan = self.plan_retention(keep_last=keep_last, keep_every=keep_every, protect=protect, entries=entries)
+        return list(plan.doomed)
+
+    def delete(self, name: str, *, force: bool = False) -> list[str]:
         """Remove one checkpoint, file by file, and the directories so emptied; returns what was left.
+
+        Refused (UsageError naming them, REF-13) while ``name`` is committed and a committed sibling or a
+        live writer references it, unless ``force``: deleting it would leave them unrestorable.
 
         Only files a ckptfmt writer made are deleted: those the manifest lists and those named exactly as
         a writer names them (:func:`writer_made`), regular files only. The manifest goes first, so the
@@ -352,6 +513,15 @@ class RunDirectory:
         """
         prefix = name + "/"
         files = [p[len(prefix) :] for p in self.store.list() if p.startswith(prefix)]
+        if not force and MANIFEST_NAME in files:
+            users = self._users(name, self._reference_scan())
+            if users:
+                raise UsageError(
+                    f"{name} is referenced by {', '.join(users)}: deleting it would leave them unrestorable "
+                    "(delete those first, or force it)",
+                    path=self.child_url(name),
+                    requirement="REF-13",
+                )
         listed: set[str] = set()
         if MANIFEST_NAME in files:
             try:
@@ -384,17 +554,49 @@ class RunDirectory:
         protect: Iterable[str] = (),
         dry_run: bool = False,
     ) -> list[Entry]:
-        """Delete what :meth:`plan_gc` dooms; returns the doomed entries, each with ``foreign`` set to the
-        files its deletion left in place (not a writer's, a symlink or a special file)."""
-        doomed = self.plan_gc(keep_last=keep_last, keep_every=keep_every, protect=protect)
-        if not dry_run:
-            doomed = [dataclasses.replace(e, foreign=tuple(self.delete(e.name))) for e in doomed]
-            # uploads a killed writer left in a checkpoint that is otherwise gone or committed
-            live = {e.name for e in self.entries() if e.status == "writing"}
-            for path, upload_id in self.store.pending_uploads():
-                if path.partition("/")[0] not in live:
-                    self.store.abort_upload(path, upload_id)
-        return doomed
+        """Delete what :meth:`plan_retention` dooms (:meth:`collect`); returns the deleted entries (with
+        ``dry_run``, the doomed ones, nothing deleted)."""
+        plan = self.plan_retention(keep_last=keep_last, keep_every=keep_every, protect=protect)
+        return list(plan.doomed) if dry_run else self.collect(plan)
+
+    def collect(self, plan: RetentionPlan) -> list[Entry]:
+        """Delete what ``plan`` dooms, each checkpoint before the ones it references; returns the deleted
+        entries, each with ``foreign`` set to the files its deletion left in place (not a writer's, a symlink
+        or a special file).
+
+        Who references whom is read again first: a doomed committed checkpoint that a checkpoint committed
+        since the plan, or a writer started since, references is kept (and logged), not deleted.
+        """
+        needs_scan = any(e.status == "committed" for e in plan.doomed)
+        committed, writers = self._reference_scan() if needs_scan else ({}, {})
+        deleted: dict[str, Entry] = {}
+        for entry in _referrers_first(plan.doomed):
+            if entry.status == "committed":
+                users = self._users(entry.name, (committed, writers))
+                if users:
+                    log.warning("%s: kept, referenced by %s", entry.name, ", ".join(users))
+                    continue
+            left = self.delete(entry.name, force=True)
+            committed.pop(entry.name, None)
+            deleted[entry.name] = dataclasses.replace(entry, foreign=tuple(left))
+        # uploads a killed writer left in a checkpoint that is otherwise gone or committed
+        live = {e.name for e in self.entries() if e.status == "writing"}
+        for path, upload_id in self.store.pending_uploads():
+            if path.partition("/")[0] not in live:
+                self.store.abort_upload(path, upload_id)
+        return [deleted[e.name] for e in plan.doomed if e.name in deleted]
 
     def newest_committed(self) -> list[Entry]:
         return [e for e in self.entries() if e.status == "committed"]
+
+
+def _referrers_first(entries: Iterable[Entry]) -> list[Entry]:
+    """``entries`` ordered so that each comes before those it references, otherwise as given."""
+    pending = list(entries)
+    out: list[Entry] = []
+    while pending:
+        needed = {b for e in pending for b in e.bases if b != e.name}
+        ready = {e.name for e in pending if e.name not in needed} or {pending[0].name}  # a (hostile) cycle
+        out += [e for e in pending if e.name in ready]
+        pending = [e for e in pending if e.name not in ready]
+    return out

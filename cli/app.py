@@ -18,6 +18,7 @@ COMMANDS = {
     "ls": ("ls", "ls_cmd"),
     "diff": ("diff", "diff_cmd"),
     "convert": ("convert", "convert_cmd"),
+    "materialize": ("materialize", "materialize_cmd"),
     "dump": ("dump", "dump_cmd"),
     "gc": ("gc", "gc_cmd"),
     "rescue": ("rescue", "rescue_cmd"),

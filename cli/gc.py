@@ -41,14 +41,18 @@ def gc_cmd(
 
     Always deleted: incomplete checkpoints whose writer is gone. With --keep-last, also committed
     checkpoints beyond the N newest (by step), except multiples of --keep-every, pinned ones and the
-    one `latest` points to. Never deleted: a checkpoint a live writer holds, or one whose manifest is
-    invalid. The same rules as `ckpt ls` and the trainer's CheckpointManager.
+    one `latest` points to. Never deleted: a checkpoint a live writer holds, one whose manifest is
+    invalid, or one that a kept checkpoint or a live writer references (an incremental checkpoint's
+    base). The same rules as `ckpt ls` and the trainer's CheckpointManager.
     """
     check_run_dir(run_url, storage_options)
     run = RunDirectory(run_url, storage_options)
-    hold = run.retention_hold()
-    doomed = run.gc(keep_last=keep_last, keep_every=keep_every, dry_run=dry_run)
+    plan = run.plan_retention(keep_last=keep_last, keep_every=keep_every)
+    hold = plan.hold
+    doomed = list(plan.doomed) if dry_run else run.collect(plan)
     kept = [e for e in run.entries() if e.name not in {d.name for d in doomed}]
+    # kept only because a kept checkpoint or a live writer references them (spec/references.md REF-13)
+    referenced = {name: users for name, users in plan.referenced.items() if name in {e.name for e in kept}}
     # Only what a ckptfmt writer made is deleted: an uncommitted directory holding anything else stays whole,
     # and other files in a deleted checkpoint's directory stay where they are.
     left_alone = [e for e in kept if e.status == "incomplete" and e.foreign]
@@ -66,6 +70,9 @@ def gc_cmd(
                 "left_alone": [
                     {"name": e.name, "reason": "foreign files", "foreign": list(e.foreign)} for e in left_alone
                 ],
+                "kept_referenced": [
+                    {"name": name, "referenced_by": list(users)} for name, users in sorted(referenced.items())
+                ],
                 "not_followed": skipped,
                 "retention_hold": hold,
             }
@@ -79,6 +86,8 @@ def gc_cmd(
         click.echo(f"{verb} {e.name} ({e.status}, {human_bytes(e.size)}){left}")
     for e in left_alone:
         click.echo(f"left alone {e.name} (foreign files, e.g. {e.foreign[0]})")
+    for name, users in sorted(referenced.items()):
+        click.echo(f"kept {name} (referenced by {', '.join(users)})")
     for stray in skipped:
         info(f"not followed: {stray}")
     freed = sum(e.size for e in doomed)

@@ -107,6 +107,8 @@ def list_run(run_url: str, opts: dict[str, Any]) -> list[dict[str, Any]]:
                 "step": e.step,
                 "created": created,
                 "size": e.size,
+                "referenced_bytes": e.referenced_bytes,
+                "bases": list(e.bases),
                 "status": e.status,
                 "checkpoint_id": e.checkpoint_id,
                 "profile": e.profile,
@@ -128,9 +130,11 @@ def list_run(run_url: str, opts: dict[str, Any]) -> list[dict[str, Any]]:
 def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None:
     """List the checkpoints under the run directory RUN_URL, newest first.
 
-    Each has a name, step (provenance, else the trailing number of its name), created time, size,
-    and status: committed, writing (no manifest yet, its writer is alive), incomplete (no manifest,
-    its writer is gone), or invalid manifest. The same rules as ``ckpt gc``.
+    Each has a name, step (provenance, else the trailing number of its name), created time, size
+    (its own files), and status: committed, writing (no manifest yet, its writer is alive), incomplete
+    (no manifest, its writer is gone), or invalid manifest. When some checkpoint is incremental, the
+    table adds the bytes each references in other checkpoints and which (its bases). The same rules as
+    ``ckpt gc``.
     """
     entries = list_run(run_url, storage_options)
     for stray in strays(run_url, storage_options):
@@ -140,7 +144,14 @@ def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None
         emit_json({"url": run_url, "checkpoints": entries, "last_restore": restore})
         return
     rows = [[e["name"], e["step"], e["created"], human_bytes(e["size"]), e["status"]] for e in entries]
-    click.echo(table(["NAME", "STEP", "CREATED", "SIZE", "STATUS"], rows))
+    headers = ["NAME", "STEP", "CREATED", "SIZE", "STATUS"]
+    if any(e["bases"] for e in entries):  # incremental checkpoints: what each stores vs reads from its bases
+        headers[4:4] = ["REFERENCED"]
+        headers.append("BASES")
+        for row, e in zip(rows, entries, strict=True):
+            row[4:4] = [human_bytes(e["referenced_bytes"]) if e["referenced_bytes"] else "-"]
+            row.append(",".join(e["bases"]) or "-")
+    click.echo(table(headers, rows))
     if restore is not None:
         click.echo("\n" + "\n".join(describe_restore(restore)))
 
