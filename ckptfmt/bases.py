@@ -27,10 +27,17 @@ def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -
     from .reader import read_manifest_bytes
 
     base = find_base(manifest, location)
-    store = own.sibling(base.name)
+    try:
+        store = own.sibling(base.name)
+    except CheckpointError as exc:
+        raise BaseCheckpointError(
+            f"checkpoint {own.url} references {location}, which cannot be opened: {exc}",
+            path=location,
+            requirement="REF-7",
+        ) from exc
     where = f"checkpoint {own.url} ({referrer[:19]}…) references {location} = {store.url} ({base.checkpoint_id})"
     if store.url.rstrip("/") == own.url.rstrip("/"):
-        raise BaseCheckpointError(f"{where}, which is itself", path=location, requirement="REF-3")
+        raise BaseCheckpointError(f"{where}, which is itself", path=location, requirement="REF-7")
     try:
         data = read_manifest_bytes(store)
     except CheckpointError as exc:
@@ -46,7 +53,9 @@ def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -
         stored = {f.path: f for f in parse_manifest(data).files}
     except CheckpointError as exc:  # (the id matched: a manifest only a newer reader understands)
         store.close()
-        raise BaseCheckpointError(f"{where}, whose manifest is refused: {exc}", path=location) from exc
+        raise BaseCheckpointError(
+            f"{where}, whose manifest is refused: {exc}", path=location, requirement="REF-7"
+        ) from exc
     for record in base.files:
         own_record = stored.get(record.path)
         if own_record is None or (own_record.size, own_record.digest) != (record.size, record.digest):

@@ -559,34 +559,12 @@ VECTORS: tuple[Invalid, ...] = (
         also=("DIG-4",),
         scope="file",
     ),
-)
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A vector the spec asks for that the reference reader does not pass yet."""
-
-    vector: Invalid
-    refused_on: str  # the ID the reference reader names instead
-    why: str
-
-
-# Not generated (a committed vector must pass the reference: tests/test_conformance_runner.py) but kept here,
-# with what the reader does instead, until it passes: tests/test_conformance.py generates each one and fails
-# once the reader agrees with the spec, so that the vector moves into VECTORS then.
-PENDING: tuple[Pending, ...] = (
-    Pending(
-        _ref(
-            "ref-base-self",
-            ("REF-7",),
-            "The base's location is '../checkpoint': the checkpoint's own root.",
-            relocate("../checkpoint"),
-            scope="tensor",
-        ),
-        "REF-3",
-        "REF-7 lists a base location that is the checkpoint's own root among the bases a reader refuses to read; the "
-        "reference reader refuses it when the base is first used (ckptfmt/bases.py, open_base) but names REF-3, "
-        "whose grammar '../checkpoint' matches",
+    _ref(
+        "ref-base-self",
+        ("REF-7",),
+        "The base's location is '../checkpoint': the checkpoint's own root.",
+        relocate("../checkpoint"),
+        scope="tensor",
     ),
 )
 

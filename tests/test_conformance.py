@@ -348,18 +348,3 @@ def test_the_writer_checks_catch_a_chained_an_unused_and_a_mismatched_reference(
     problems = run_checks(root, "")
     assert [rid for rid, _ in problems] == ["REF-11", "REF-12"], problems
     assert "lists provenance/context.msgpack" in problems[0][1] and "of frozen/a2" in problems[1][1]
-
-
-def test_each_pending_vector_is_still_refused_for_another_reason(tmp_path: Path) -> None:
-    """The vectors the reference reader does not pass yet (conformance/invalid_references.py, PENDING): each is
-    still refused on the ID recorded there; once the reader names the spec's rule, the vector moves into VECTORS."""
-    from conformance.generate import write_invalid
-    from conformance.invalid_references import PENDING
-
-    for pending in PENDING:
-        write_invalid(pending.vector, tmp_path / pending.vector.name)
-        with pytest.raises(CheckpointError) as info:
-            describe(tmp_path / pending.vector.name / "checkpoint")
-        named = (*pending.vector.requirements, *pending.vector.also)
-        assert info.value.requirement not in named, f"{pending.vector.name} passes now: move it into VECTORS"
-        assert info.value.requirement == pending.refused_on, (pending.vector.name, str(info.value))

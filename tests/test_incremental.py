@@ -211,3 +211,37 @@ def test_each_rank_references_its_own_chunks(tmp_path: Path) -> None:
             np.testing.assert_array_equal(ckpt.read_tensor("weights", name), array)
         chunks = ckpt.tensor("weights", "moving").chunks
         assert [c.base for c in chunks] == ["../step-1", None]
+
+
+def test_a_symlinked_base_is_refused(tmp_path: Path) -> None:
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    arrays = state()
+    save(str(run / "step-1"), arrays)
+    save(str(run / "step-2"), arrays, base=str(run / "step-1"))
+    (run / "step-1").rename(elsewhere)
+    (run / "step-1").symlink_to(elsewhere)  # the same checkpoint, id and all, reached through a link
+    with ckptfmt.open(run / "step-2") as ckpt, pytest.raises(BaseCheckpointError, match="symbolic link") as info:
+        ckpt.read_tensor("weights", "frozen.0")
+    assert info.value.requirement == "REF-7"
+
+
+def test_the_writer_lock_names_the_bases_while_the_save_is_at_work(tmp_path: Path) -> None:
+    from ckptfmt.lock import read_lock
+
+    run = tmp_path / "run"
+    save(str(run / "step-1"), state())
+    with ckptfmt.open_writer(run / "step-2", profile="weights", base=run / "step-1") as writer:
+        lock = read_lock(open_store(run / "step-2"))
+        assert lock is not None and lock.bases == ("step-1",)  # before any data file is written (REF-13)
+        writer.write_tensors("weights", state())
+
+
+def test_an_error_in_a_base_file_names_it_as_the_referencing_checkpoint_sees_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    save(str(run / "step-1"), state())
+    save(str(run / "step-2"), state(), base=str(run / "step-1"))
+    data = next((run / "step-1" / "weights").glob("*.safetensors"))
+    data.write_bytes(data.read_bytes()[:-1])  # truncated
+    with ckptfmt.open(run / "step-2") as ckpt, pytest.raises(ckptfmt.SizeMismatchError) as info:
+        ckpt.read_tensor("weights", "frozen.0")
+    assert info.value.path == f"../step-1/weights/{data.name}"

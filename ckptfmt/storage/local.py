@@ -424,7 +424,10 @@ class LocalStore(Store):
         self.capabilities = Capabilities(exclusive_create=True, local=True)
 
     def sibling(self, name: str) -> LocalStore:
-        return LocalStore(self.root.parent / name, direct_io=self.direct_io)
+        path = self.root.parent / name
+        if path.is_symlink():  # a base is a directory of the run directory, never a way out of it (REF-7)
+            raise UnsafePathError(f"{name!r} beside {self.url} is a symbolic link", path=str(path))
+        return LocalStore(path, direct_io=self.direct_io)
 
     def _open_read(self, path: str) -> int:
         dir_fd, name = walk_to_parent(self.url, path)

@@ -11,11 +11,13 @@ import builtins
 import mmap
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-from ..errors import UsageError
+from ..errors import CheckpointError, UsageError
 from .base import DEFAULT_MAX_READ, OutputFile, Store
 
 PARENT = "../"
+T = TypeVar("T")
 
 
 class RoutedStore(Store):
@@ -41,6 +43,17 @@ class RoutedStore(Store):
         name, _, rest = path[len(PARENT) :].partition("/")
         return self.base(PARENT + name), rest
 
+    def _on(self, path: str, call: Callable[[Store, str], T]) -> T:
+        """``call`` on the store that holds ``path``; an error names the path as this checkpoint knows it."""
+        store, rest = self._route(path)
+        try:
+            return call(store, rest)
+        except CheckpointError as exc:
+            if store is not self.own and exc.path == rest:
+                exc.path = path  # "../step-1/weights/...", not the base's own name for it
+                exc.args = (exc._render(),)
+            raise
+
     def create(self, path: str) -> OutputFile:
         raise UsageError("a checkpoint is read-only here", path=path)
 
@@ -48,28 +61,22 @@ class RoutedStore(Store):
         raise UsageError("a checkpoint is read-only here", path=path)
 
     def read(self, path: str, *, max_size: int = DEFAULT_MAX_READ) -> bytes:
-        store, rest = self._route(path)
-        return store.read(rest, max_size=max_size)
+        return self._on(path, lambda store, rest: store.read(rest, max_size=max_size))
 
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
-        store, rest = self._route(path)
-        store.read_into(rest, begin, out)
+        self._on(path, lambda store, rest: store.read_into(rest, begin, out))
 
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
-        store, rest = self._route(path)
-        store.read_ranges(rest, requests, keep_cached=keep_cached)
+        self._on(path, lambda store, rest: store.read_ranges(rest, requests, keep_cached=keep_cached))
 
     def mapping(self, path: str) -> mmap.mmap | None:
-        store, rest = self._route(path)
-        return store.mapping(rest)
+        return self._on(path, lambda store, rest: store.mapping(rest))
 
     def size(self, path: str) -> int:
-        store, rest = self._route(path)
-        return store.size(rest)
+        return self._on(path, lambda store, rest: store.size(rest))
 
     def exists(self, path: str) -> bool:
-        store, rest = self._route(path)
-        return store.exists(rest)
+        return self._on(path, lambda store, rest: store.exists(rest))
 
     def list(self) -> dict[str, int]:
         return self.own.list()
