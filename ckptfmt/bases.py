@@ -67,3 +67,30 @@ def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -
                 requirement="REF-8",
             )
     return store
+
+
+def check_bases_still_there(store: Store, manifest: Manifest) -> None:
+    """Before a referencing checkpoint commits: each base is still the checkpoint that was referenced.
+
+    A writer reads its base before it takes its lock; a gc that planned in between could have deleted it (the
+    lock names the bases only from then on, REF-13). A manifest committed over a vanished base would be refused
+    by every reader (REF-7): the save fails instead, and nothing is committed.
+    """
+    from .reader import read_manifest_bytes
+
+    for base in manifest.bases:
+        try:
+            found = checkpoint_id(read_manifest_bytes(store.sibling(base.name)))
+        except CheckpointError as exc:
+            raise BaseCheckpointError(
+                f"the base {base.location} vanished while this save was at work: {exc}; nothing was committed",
+                path=base.location,
+                requirement="REF-7",
+            ) from exc
+        if found != base.checkpoint_id:
+            raise BaseCheckpointError(
+                f"the base {base.location} was replaced while this save was at work (now {found}); nothing was "
+                "committed",
+                path=base.location,
+                requirement="REF-7",
+            )

@@ -11,7 +11,7 @@ their data files under the coordinator's lock and hand it their records.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointLockedError
 from .lock import WriterLock, read_lock
@@ -25,9 +25,18 @@ log = logging.getLogger("ckptfmt")
 class Committer:
     """Holds ``store``'s writer lock from construction until :meth:`commit` or :meth:`abort`."""
 
-    def __init__(self, store: Store, *, overwrite: bool = False, bases: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        overwrite: bool = False,
+        bases: tuple[str, ...] = (),
+        before_replace: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
         self.holder = WriterLock.mine(bases)
+        # called under the lock before a committed checkpoint is un-committed: may refuse the replace (REF-14)
+        self.before_replace = before_replace
         self.old_files: dict[str, int] = {}
         self._acquire(overwrite)
 
@@ -63,6 +72,8 @@ class Committer:
                     "a committed checkpoint is already here; pass overwrite=True to replace it",
                     path=self.store.url,
                 )
+            if self.before_replace is not None:
+                self.before_replace()
             # Replace: un-commit first, so no reader ever sees the old manifest over new data files.
             self.old_files = self.store.list()
             self.store.delete(MANIFEST_NAME)

@@ -191,6 +191,13 @@ class UsageError(CheckpointError, ValueError):
     code = "usage"
 
 
+class ReferencedCheckpointError(UsageError):
+    """Deleting or replacing a checkpoint that other checkpoints reference (spec/references.md REF-13, REF-14):
+    they would no longer be restorable. The message names them."""
+
+    code = "referenced_checkpoint"
+
+
 class StorageError(CheckpointError, OSError):
     """The storage backend failed (I/O error, permission, network); chained from the original."""
 
@@ -258,6 +265,7 @@ __all__ = [
     "MemoryCapacityError",
     "MissingFieldError",
     "MissingFileError",
+    "ReferencedCheckpointError",
     "ResumeMismatchError",
     "SafetensorsHeaderError",
     "SizeMismatchError",

@@ -177,16 +177,10 @@ def materialize_checkpoint(
 
 def _check_replaceable(dst_url: str | os.PathLike[str], dst: Store, options: Mapping[str, Any] | None) -> None:
     """A committed checkpoint at the destination that siblings reference stays (REF-14)."""
-    from .run import RunDirectory
+    from .run import check_replaceable_url
 
-    if not dst.exists(MANIFEST_NAME):
-        return
-    url = os.fspath(dst_url).rstrip("/")
-    if "://" not in url:
-        url = os.path.abspath(url)
-    parent, _, name = url.rpartition("/")
-    if parent and not parent.endswith(":/"):
-        RunDirectory(parent, options).check_replaceable(name)
+    if dst.exists(MANIFEST_NAME):
+        check_replaceable_url(dst_url, options)
 
 
 def _serialized(progress: Progress | None, total: int) -> Callable[[int], None] | None:

@@ -21,7 +21,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import CheckpointError, MissingFileError, StorageError, UnsafePathError, UsageError
+from .errors import (
+    CheckpointError,
+    MissingFileError,
+    ReferencedCheckpointError,
+    StorageError,
+    UnsafePathError,
+)
 from .jsonio import load_json
 from .layout import CONTEXT_NAME, DATA_SUFFIX
 from .lock import WriterLock, read_lock
@@ -408,7 +414,7 @@ class RunDirectory:
             return
         users = self._users(name, self._reference_scan())
         if users:
-            raise UsageError(
+            raise ReferencedCheckpointError(
                 f"cannot replace {name}: {', '.join(users)} reference(s) it, and would no longer be restorable",
                 path=self.child_url(name),
                 requirement="REF-14",
@@ -503,7 +509,7 @@ class RunDirectory:
     def delete(self, name: str, *, force: bool = False) -> list[str]:
         """Remove one checkpoint, file by file, and the directories so emptied; returns what was left.
 
-        Refused (UsageError naming them, REF-13) while ``name`` is committed and a committed sibling or a
+        Refused (ReferencedCheckpointError naming them, REF-13) while ``name`` is committed and a committed sibling or a
         live writer references it, unless ``force``: deleting it would leave them unrestorable.
 
         Only files a ckptfmt writer made are deleted: those the manifest lists and those named exactly as
@@ -516,7 +522,7 @@ class RunDirectory:
         if not force and MANIFEST_NAME in files:
             users = self._users(name, self._reference_scan())
             if users:
-                raise UsageError(
+                raise ReferencedCheckpointError(
                     f"{name} is referenced by {', '.join(users)}: deleting it would leave them unrestorable "
                     "(delete those first, or force it)",
                     path=self.child_url(name),
@@ -600,3 +606,13 @@ def _referrers_first(entries: Iterable[Entry]) -> list[Entry]:
         out += [e for e in pending if e.name in ready]
         pending = [e for e in pending if e.name not in ready]
     return out
+
+
+def check_replaceable_url(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> None:
+    """:meth:`RunDirectory.check_replaceable` for the checkpoint at ``url``, in the directory that holds it."""
+    text = os.fspath(url).rstrip("/")
+    if "://" not in text:
+        text = os.path.abspath(text)
+    parent, _, name = text.rpartition("/")
+    if parent and not parent.endswith(":/"):
+        RunDirectory(parent, storage_options).check_replaceable(name)

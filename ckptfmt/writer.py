@@ -34,6 +34,7 @@ import numpy as np
 from . import __version__, layout
 from . import plan as plan_module
 from .arrays import as_array
+from .bases import check_bases_still_there
 from .blocks import DEFAULT_BLOCK_BYTES
 from .blocks import valid_size as valid_block_size
 from .canonical import config_hash, config_to_dict
@@ -125,6 +126,7 @@ class CheckpointWriter:
         base: Checkpoint | str | os.PathLike[str] | None = None,
         frozen: Collection[str] = (),
         base_content: RawDigests | None = None,
+        before_replace: Callable[[], None] | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
@@ -161,6 +163,9 @@ class CheckpointWriter:
         # base_content: ``raw_digests`` of the writer of this process that wrote the base, with its checkpoint id:
         # lets an unchanged encoded chunk be referenced after a hash (ignored unless the ids match)
         self._base = _base_index(store, base, frozen, base_content)
+        # with overwrite: called under the lock before the old checkpoint is un-committed, to refuse replacing one
+        # that others reference (RunDirectory.check_replaceable, REF-14)
+        self._before_replace = before_replace
         self._references: list[PlacedChunk] = []
         # recorded in the writer lock, so that gc keeps the bases while this save is at work (REF-13)
         self._base_names = () if self._base is None else self._base.names
@@ -188,7 +193,9 @@ class CheckpointWriter:
     def _start(self, overwrite: bool) -> None:
         """Step 1 of the commit protocol on the coordinator; the other ranks learn its outcome."""
         if self.collective is None:
-            self._committer = Committer(self.store, overwrite=overwrite, bases=self._base_names)
+            self._committer = Committer(
+                self.store, overwrite=overwrite, bases=self._base_names, before_replace=self._before_replace
+            )
             return
         if self.store_of_rank is not None:
             self._start_spread(overwrite)
@@ -196,7 +203,9 @@ class CheckpointWriter:
         error: CheckpointError | None = None
         if self.is_coordinator:
             try:
-                self._committer = Committer(self.store, overwrite=overwrite, bases=self._base_names)
+                self._committer = Committer(
+                    self.store, overwrite=overwrite, bases=self._base_names, before_replace=self._before_replace
+                )
             except CheckpointError as exc:
                 error = exc
         try:
@@ -218,7 +227,9 @@ class CheckpointWriter:
         error: CheckpointError | None = None
         if self.is_store_leader:
             try:
-                self._committer = Committer(self.store, overwrite=overwrite, bases=self._base_names)
+                self._committer = Committer(
+                    self.store, overwrite=overwrite, bases=self._base_names, before_replace=self._before_replace
+                )
             except CheckpointError as exc:
                 error = exc
         try:
@@ -371,6 +382,7 @@ class CheckpointWriter:
             assert self._committer is not None
             try:
                 manifest = merge_results([mine], profile=self.profile, metadata=self.metadata)
+                check_bases_still_there(self.store, manifest)
                 self.checkpoint_id = self._committer.commit(manifest, self._executor.written)
             except BaseException:
                 self.abort()
@@ -479,6 +491,7 @@ class CheckpointWriter:
             try:
                 _check_visible(self.store, results)
                 manifest = merge_results(results, profile=self.profile, metadata=self.metadata)
+                check_bases_still_there(self.store, manifest)
                 written = [f.path for r in results for f in r.files]
                 self.checkpoint_id = self._committer.commit(manifest, written)
                 return encode_status(None, checkpoint_id=self.checkpoint_id)

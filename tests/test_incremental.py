@@ -245,3 +245,14 @@ def test_an_error_in_a_base_file_names_it_as_the_referencing_checkpoint_sees_it(
     with ckptfmt.open(run / "step-2") as ckpt, pytest.raises(ckptfmt.SizeMismatchError) as info:
         ckpt.read_tensor("weights", "frozen.0")
     assert info.value.path == f"../step-1/weights/{data.name}"
+
+
+def test_a_base_deleted_while_the_save_is_at_work_fails_the_save(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    save(str(run / "step-1"), state())
+    writer = ckptfmt.open_writer(run / "step-2", profile="weights", base=run / "step-1")
+    writer.write_tensors("weights", state())
+    shutil.rmtree(run / "step-1")  # a gc that planned before this writer took its lock
+    with pytest.raises(BaseCheckpointError, match="vanished"):
+        writer.commit()
+    assert not (run / "step-2" / "manifest.json").exists()

@@ -157,3 +157,27 @@ def test_full_every_bounds_chains_and_a_damaged_base_falls_back(tmp_path: Path) 
             assert [b.name for b in ckpt.manifest.bases] == expected
             assert ckpt.verify().ok
         shutil.rmtree(run / f"step-{s:09d}")
+
+
+def test_a_referenced_checkpoint_is_never_replaced(tmp_path: Path) -> None:
+    from ckptfmt.errors import ReferencedCheckpointError
+    from ckptfmt.torch import save
+
+    model, optimizer, sampler = lora_state()
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, keep_last=None, incremental=True)
+    for s in (1, 2):
+        step(model, optimizer, sampler, 1)
+        manager.save(s, model=model, optimizer=optimizer, config={}, sampler=sampler)
+    manager.close()
+    before = (run / "step-000000001" / "manifest.json").read_bytes()
+    resumed = CheckpointManager(run, keep_last=None, incremental=True)
+    with pytest.raises(ReferencedCheckpointError, match="step-000000002"):  # step 2 references step 1
+        resumed.save(1, model=model, optimizer=optimizer, config={}, sampler=sampler)
+    resumed.close()
+    with pytest.raises(ReferencedCheckpointError):
+        save(
+            run / "step-000000001", step=1, model=model, optimizer=optimizer, config={}, sampler=sampler, overwrite=True
+        )
+    assert (run / "step-000000001" / "manifest.json").read_bytes() == before
+    assert ckptfmt.verify(run / "step-000000002").ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
@@ -17,6 +18,7 @@ from .. import provenance as prov
 from ..canonical import canonical_json
 from ..errors import ContextError, FieldNotFoundError, ResumeMismatchError, UsageError
 from ..reader import Checkpoint, open_checkpoint
+from ..run import check_replaceable_url
 from ..storage import open_store
 from ..writer import CheckpointWriter
 from . import loader as loader_mod
@@ -190,6 +192,8 @@ def save(
         codec=codec,
         base=base,
         frozen=frozen,
+        # a checkpoint other checkpoints of its directory reference is not replaced (REF-14)
+        before_replace=functools.partial(check_replaceable_url, url, storage_options) if overwrite else None,
     )
     try:
         return state.write_snapshot(writer, snap)

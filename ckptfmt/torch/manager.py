@@ -26,6 +26,7 @@ not change parameters or optimizer state in place by other means.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -382,6 +383,7 @@ class CheckpointManager:
                 frozen=self.frozen if base is not None else (),
                 metadata={SINCE_FULL: str(depth)} if self.incremental else None,
                 base_content=self._base_content if base is not None else None,
+                before_replace=functools.partial(self.run.check_replaceable, name),
             )
 
         try:
