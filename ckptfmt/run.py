@@ -585,9 +585,11 @@ class RunDirectory:
             left = self.delete(entry.name, force=True)
             committed.pop(entry.name, None)
             deleted[entry.name] = dataclasses.replace(entry, foreign=tuple(left))
-        # uploads a killed writer left in a checkpoint that is otherwise gone or committed
-        live = {e.name for e in self.entries() if e.status == "writing"}
-        for path, upload_id in self.store.pending_uploads():
+        # uploads a killed writer left in a checkpoint that is otherwise gone or committed (object stores only:
+        # the listing of writers reads every manifest, which a local run directory need not pay after each save)
+        uploads = self.store.pending_uploads()
+        live = {e.name for e in self.entries() if e.status == "writing"} if uploads else set()
+        for path, upload_id in uploads:
             if path.partition("/")[0] not in live:
                 self.store.abort_upload(path, upload_id)
         return [deleted[e.name] for e in plan.doomed if e.name in deleted]
