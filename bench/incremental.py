@@ -139,7 +139,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    base = args.dir or Path(tempfile.mkdtemp(prefix="incremental-", dir=Path(__file__).parent / "out"))
+    out_root = Path(__file__).parent / "out"
+    out_root.mkdir(exist_ok=True)  # absent in a fresh clone (ignored by git)
+    base = args.dir or Path(tempfile.mkdtemp(prefix="incremental-", dir=out_root))
     configs = ["ckptfmt full", "ckptfmt incremental", "ckptfmt incremental, frozen", "torch.save", "dcp.save"]
     rows = []
     try:

@@ -31,7 +31,7 @@ from .errors import (
 from .jsonio import load_json
 from .layout import CONTEXT_NAME, DATA_SUFFIX
 from .lock import WriterLock, read_lock
-from .manifest import MAX_MANIFEST_BYTES, checkpoint_id, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, checkpoint_id, parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME, is_segment
 from .references import EXTENSION as REFERENCES
 from .references import PARENT
@@ -200,6 +200,11 @@ class RunDirectory:
         self.storage_options = dict(storage_options or {})
         self.store = open_store(self.url, self.storage_options)
         self.stale_after_s = stale_after_s
+        # What a committed manifest yields (listed paths, and everything of its Entry but the listing's sizes),
+        # by checkpoint name and id: a manager lists its run after every save, and parsing every manifest and
+        # reading every provenance again made each save O(checkpoints) (0.12 of 0.19 s at 9 checkpoints).
+        # Keyed by the id (the digest of the manifest's bytes), so a replaced manifest is parsed afresh.
+        self._committed: dict[str, tuple[str, frozenset[str], dict[str, Any]]] = {}
 
     def child_url(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -240,38 +245,52 @@ class RunDirectory:
             error = _unreadable_lock(name) if live and lock is None else None
             bases = lock.bases if lock is not None else ()
             return Entry(status=status, foreign=foreign, error=error, bases=bases, **common)
-        from .reader import open_checkpoint
-
         data = b""
         try:
             data = self.store.read(f"{name}/{MANIFEST_NAME}", max_size=MAX_MANIFEST_BYTES)
-            manifest = parse_manifest(data)  # what every reader checks before it trusts a manifest
+            ckpt_id = checkpoint_id(data)
+            cached = self._committed.get(name)
+            if cached is not None and cached[0] == ckpt_id:
+                listed, known = cached[1], cached[2]
+            else:
+                manifest = parse_manifest(data)  # what every reader checks before it trusts a manifest
+                listed = frozenset(f.path for f in manifest.files)
+                known = self._committed_fields(name, manifest, ckpt_id)
+                if known["error"] is None:
+                    self._committed[name] = (ckpt_id, listed, known)
         except CheckpointError as exc:
+            self._committed.pop(name, None)
             bases = referenced_names(data) if data else ()
             return Entry(status="invalid manifest", error=exc.to_dict(), bases=bases, **common)
-        listed = {f.path for f in manifest.files}
         common["foreign"] = tuple(sorted(p for p in files if p not in listed and not writer_made(p)))
-        created, error = None, None
+        if known.get("step") is not None:
+            common["step"] = known["step"]
+        return Entry(status="committed", **{k: v for k, v in known.items() if k != "step"}, **common)
+
+    def _committed_fields(self, name: str, manifest: Manifest, ckpt_id: str) -> dict[str, Any]:
+        """A committed checkpoint's Entry fields from its manifest and provenance (``step``: the provenance's,
+        None to keep the name's)."""
+        from .reader import open_checkpoint
+
+        created, error, step = None, None, None
         try:
             with open_checkpoint(self.child_url(name), self.storage_options) as ckpt:
                 value = ckpt.read_context("provenance") if "provenance" in ckpt.fields else {}
             stamp = value.get("created_at")
             created = stamp if isinstance(stamp, str) else None
-            step = value.get("step")
-            if type(step) is int:
-                common["step"] = step
+            if type(value.get("step")) is int:
+                step = value["step"]
         except CheckpointError as exc:
             error = exc.to_dict()  # committed, but its provenance could not be read
-        return Entry(
-            status="committed",
-            checkpoint_id=checkpoint_id(data),
-            profile=manifest.profile,
-            created=created,
-            error=error,
-            bases=tuple(sorted(b.name for b in manifest.bases)),
-            referenced_bytes=manifest.referenced_bytes,
-            **common,
-        )
+        return {
+            "checkpoint_id": ckpt_id,
+            "profile": manifest.profile,
+            "created": created,
+            "error": error,
+            "bases": tuple(sorted(b.name for b in manifest.bases)),
+            "referenced_bytes": manifest.referenced_bytes,
+            "step": step,
+        }
 
     # ---------------------------------------------------------------- latest and pins
 

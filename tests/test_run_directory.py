@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -48,6 +49,25 @@ def test_entries_status_and_order(run: Path) -> None:
     assert committed.checkpoint_id and committed.checkpoint_id.startswith("sha256:")
     invalid = next(e for e in entries if e.name == "odd-5")
     assert invalid.error is not None and invalid.error["code"] == "invalid_manifest"
+
+
+def test_entries_of_one_run_directory_follow_replaced_and_damaged_manifests(run: Path) -> None:
+    """A RunDirectory remembers what each committed manifest yields by its checkpoint id (a manager lists its
+    run after every save); a manifest replaced since, or made unreadable, is read afresh."""
+    rd = RunDirectory(run)
+    name = checkpoint_name(60)
+    first = next(e for e in rd.entries() if e.name == name)
+    shutil.rmtree(run / name)
+    write_step(run, 61, name=name)  # replaced: another manifest under the same name
+    second = next(e for e in rd.entries() if e.name == name)
+    assert second.checkpoint_id != first.checkpoint_id and second.step == 61
+    (run / name / "manifest.json").write_text("{not json")
+    damaged = next(e for e in rd.entries() if e.name == name)
+    assert damaged.status == "invalid manifest" and damaged.checkpoint_id is None
+    write_step(run, 62, name="fresh")
+    assert next(e for e in rd.entries() if e.name == "fresh").step == 62
+    (run / checkpoint_name(50) / "stray.txt").write_text("someone else's")  # a remembered entry's listing is new
+    assert next(e for e in rd.entries() if e.name == checkpoint_name(50)).foreign == ("stray.txt",)
 
 
 def test_keep_last(run: Path) -> None:
