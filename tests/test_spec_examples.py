@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ import jsonschema
 import pytest
 
 from ckptfmt.errors import ManifestError
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.canonical import manifest_bytes
+from ckptfmt.manifest import checkpoint_id, parse_manifest
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 SCHEMA = json.loads((SPEC / "schema" / "manifest.schema.json").read_text())
@@ -127,3 +129,35 @@ def test_the_schema_accepts_a_referencing_example_and_refuses_a_chunk_base_that_
         jsonschema.Draft202012Validator(SCHEMA).validate(doc)
     with pytest.raises(ManifestError):
         parse_manifest(json.dumps(doc).encode())
+
+
+# ---------------------------------------------------------------- examples inside the spec's prose
+
+JSON_BLOCK = re.compile(r"^```json\n(.*?)^```", re.MULTILINE | re.DOTALL)
+STATED_ID = re.compile(r"checkpoint id, computed over the canonical bytes, is `(sha256:[0-9a-f]{64})`")
+
+
+def _json_blocks() -> list[tuple[str, str]]:
+    """Every block fenced as ``json`` in spec/*.md (fragments are fenced as ``text``)."""
+    return [
+        (f"{md.name}#{n}", block)
+        for md in sorted(SPEC.glob("*.md"))
+        for n, block in enumerate(JSON_BLOCK.findall(md.read_text()))
+    ]
+
+
+@pytest.mark.parametrize(("where", "block"), _json_blocks(), ids=[w for w, _ in _json_blocks()])
+def test_every_json_block_in_the_spec_is_json_and_every_manifest_in_one_is_valid(where: str, block: str) -> None:
+    doc = json.loads(block)
+    if isinstance(doc, dict) and doc.get("format") == "ckptfmt":
+        jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+        parse_manifest(manifest_bytes(doc))
+
+
+def test_the_manifest_chapter_states_its_examples_checkpoint_id() -> None:
+    text = (SPEC / "manifest.md").read_text()
+    example = text.split("## Example", 1)[1]
+    stated = STATED_ID.search(example)
+    assert stated is not None, "manifest.md's example no longer states its checkpoint id"
+    (block,) = JSON_BLOCK.findall(example)
+    assert checkpoint_id(manifest_bytes(json.loads(block))) == stated.group(1)
