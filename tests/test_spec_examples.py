@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from ckptfmt.errors import ManifestError
 from ckptfmt.canonical import manifest_bytes
+from ckptfmt.errors import ManifestError
 from ckptfmt.manifest import checkpoint_id, parse_manifest
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
