@@ -64,14 +64,6 @@ def virtual_path(location: str, path: str) -> str:
     return f"{location}/{path}"
 
 
-def split_virtual(path: str) -> tuple[str, str] | None:
-    """``(location, path in the base)`` of a virtual path; None for a path of the checkpoint itself."""
-    if not path.startswith(PARENT):
-        return None
-    name, _, rest = path[len(PARENT) :].partition("/")
-    return PARENT + name, rest
-
-
 def location_of(name: str) -> str:
     return PARENT + name
 

@@ -70,6 +70,3 @@ class NodeMap:
     def sources_of(self, rank: int) -> list[int]:
         """The ranks that send their replicas to ``rank``, in rank order."""
         return sorted(src for src, dst in self.partners().items() if dst == rank)
-
-    def to_json(self) -> str:
-        return json.dumps(list(self.nodes))

@@ -12,13 +12,12 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from ..errors import CheckpointError, CheckpointNotFoundError, MemoryCapacityError, UnsafePathError, UsageError
-from ..manifest import Manifest, checkpoint_id, parse_manifest
+from ..manifest import checkpoint_id, parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore
@@ -126,10 +125,6 @@ def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def slot_manifest(slot: Slot) -> Manifest:
-    return parse_manifest(read_manifest_bytes(SlotStore(slot.path)))
-
-
 class MemoryTier:
     """The slot ring of one run directory on this node.
 
@@ -151,21 +146,6 @@ class MemoryTier:
 
     def slots(self) -> list[Slot]:
         return [read_slot(self.slot_path(i), i) for i in range(self.slot_count)]
-
-    def next_slot(self, *, exclude: Iterable[int] = ()) -> int:
-        """The slot the next snapshot goes to: a torn, empty or invalid one first, else the oldest committed,
-        skipping ``exclude`` (a slot being persisted); the newest is rewritten only when nothing else is free."""
-        excluded = set(exclude)
-
-        def age(slot: Slot) -> tuple[int, int]:
-            if slot.status != "committed" or slot.step is None:
-                return (0, slot.index)
-            return (1, slot.step)
-
-        free = [s for s in self.slots() if s.index not in excluded]
-        if not free:
-            raise UsageError("every memory slot is held")
-        return min(free, key=age).index
 
     def ensure(self) -> None:
         """Make the run's directory (the memory directory itself must exist or be creatable)."""

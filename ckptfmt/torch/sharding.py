@@ -10,7 +10,7 @@ spread evenly over the ranks. Loading reads, for each target, only the region th
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,11 +138,6 @@ def replicated_sizes(tensors: Mapping[str, Mapping[str, object]]) -> dict[str, i
         for name, value in named.items()
         if isinstance(value, np.ndarray)
     }
-
-
-def targets_of(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-    """The DTensors among named live tensors: the shapes a load must produce on this rank."""
-    return {name: t for name, t in named if is_dtensor(t)}
 
 
 def to_target(tensor: torch.Tensor, like: Any) -> Any:
