@@ -58,7 +58,7 @@ class Committer:
                 if attempt == 0 and current is not None and current.holder_is_dead():
                     self.store.delete(LOCK_NAME)  # a stale lock: its holder is known to be gone
                     continue
-                holder = current.describe() if current is not None else "holder unknown"
+                holder = current.holder() if current is not None else "holder unknown"
                 raise CheckpointLockedError(
                     f"another writer holds {LOCK_NAME} ({holder}); if it is dead, "
                     "remove the lock (`ckpt gc`) or wait for it",

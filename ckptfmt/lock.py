@@ -56,7 +56,7 @@ class WriterLock:
             doc["bases"] = list(self.bases)
         return json.dumps(doc, sort_keys=True).encode()
 
-    def describe(self) -> str:
+    def holder(self) -> str:
         return f"pid {self.pid} on {self.host} since {self.started_at}"
 
     def holder_is_dead(self) -> bool:

@@ -8,7 +8,7 @@ import click
 
 import ckptfmt
 
-from .compare import Compared, compare
+from .checkpoint_diff import Compared, diff_checkpoints
 from .errors import FAILED, OK, reports_errors
 from .options import json_output, storage_options
 from .output import emit_json
@@ -79,7 +79,7 @@ def diff_cmd(
     """
     compared: Compared = "digests" if digests_only else "bytes"
     with ckptfmt.open(a, storage_options) as ca, ckptfmt.open(b, storage_options) as cb:
-        doc = {"a": ca.url, "b": cb.url, **compare(ca, cb, ignore=ignore, compared=compared)}
+        doc = {"a": ca.url, "b": cb.url, **diff_checkpoints(ca, cb, ignore=ignore, compared=compared)}
     if compared == "digests":
         doc["note"] = DIGESTS_ONLY_NOTE
     if as_json:

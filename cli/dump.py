@@ -1,7 +1,7 @@
 """``ckpt dump URL``: the canonical description of a checkpoint's content (conformance/README.md).
 
 This is the reference implementation's reader adapter for the conformance suite; the description
-itself is computed by :mod:`ckptfmt.describe`.
+itself is computed by :mod:`ckptfmt.description`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ckptfmt.canonical import canonical_json
-from ckptfmt.describe import describe, refusal_line
+from ckptfmt.description import canonical_description, refusal_line
 from ckptfmt.errors import CheckpointError
 
 from .errors import FAILED, reports_errors
@@ -39,7 +39,7 @@ def dump_cmd(url: str, canonical: bool, storage_options: dict[str, Any]) -> None
     the first line of stderr and exits 1, whatever the error (the strict reader protocol).
     """
     try:
-        document = describe(url, storage_options)
+        document = canonical_description(url, storage_options)
     except CheckpointError as exc:
         if not canonical or exc.requirement is None:
             raise  # reports_errors: "ckpt: error [code]: ...", exit 1 or 2

@@ -12,7 +12,7 @@ from ckptfmt.errors import IncompleteCheckpointError
 from .errors import FAILED, OK, reports_errors
 from .options import json_output, storage_options
 from .output import emit_json, human_bytes, table
-from .summary import describe, describe_incomplete
+from .summary import summarize, summarize_incomplete
 
 
 def _render(doc: dict[str, Any]) -> str:
@@ -96,10 +96,10 @@ def inspect_cmd(
     try:
         ckpt = ckptfmt.open(url, storage_options)
     except IncompleteCheckpointError as exc:
-        doc = describe_incomplete(url, storage_options, exc.message)
+        doc = summarize_incomplete(url, storage_options, exc.message)
         emit_json(doc) if as_json else click.echo(_render_incomplete(doc))
         raise SystemExit(FAILED) from None
     with ckpt:
-        doc, all_read = describe(ckpt, tensor_glob=glob)
+        doc, all_read = summarize(ckpt, tensor_glob=glob)
     emit_json(doc) if as_json else click.echo(_render(doc))
     raise SystemExit(OK if all_read else FAILED)

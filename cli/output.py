@@ -13,7 +13,7 @@ import click
 import numpy as np
 
 # Python refuses str() of an int of more than 4,300 digits (ValueError; quadratic time below that), and a
-# context may hold a bigint of any size (CTX-11): larger ones are shown by their size, as ckptfmt.describe
+# context may hold a bigint of any size (CTX-11): larger ones are shown by their size, as ckptfmt.description
 # refuses to describe them past the same bound (2,467 digits).
 MAX_INT_BITS = 8192
 

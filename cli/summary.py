@@ -50,7 +50,7 @@ def summarize_context(field: str, value: Mapping[str, object]) -> dict[str, Any]
     return {"keys": sorted(str(k) for k in value)}
 
 
-def describe(ckpt: ckptfmt.Checkpoint, *, tensor_glob: str | None) -> tuple[dict[str, Any], bool]:
+def summarize(ckpt: ckptfmt.Checkpoint, *, tensor_glob: str | None) -> tuple[dict[str, Any], bool]:
     """(the document, whether every context blob could be read)."""
     manifest = ckpt.manifest
     sizes = {f.path: f.size for f in manifest.files}
@@ -114,7 +114,7 @@ def describe(ckpt: ckptfmt.Checkpoint, *, tensor_glob: str | None) -> tuple[dict
     return doc, all_read
 
 
-def describe_incomplete(url: str, storage_options: Mapping[str, Any], message: str) -> dict[str, Any]:
+def summarize_incomplete(url: str, storage_options: Mapping[str, Any], message: str) -> dict[str, Any]:
     """What is at a root that no manifest commits: its files and the writer lock, if any."""
     store = ckptfmt.open_store(url, storage_options)
     files = store.list()

@@ -121,7 +121,7 @@ def judge_valid(ex: Exchange, expected: Any) -> Verdict:
         return Verdict(
             kind=Kind.NOT_A_DESCRIPTION, got=f"stdout is not a description: a float at {where}", detail=ex.stdout[:500]
         )
-    problem = compare(got, expected)
+    problem = mismatch(got, expected)
     if problem is None:
         return Verdict(kind=Kind.PASSED, got="same content")
     kind = Kind.NOT_A_DESCRIPTION if problem.startswith("not a description") else Kind.WRONG_CONTENT
@@ -155,7 +155,7 @@ def first_difference(got: Any, want: Any, where: str = "$") -> str:
     return f"{where} differs"
 
 
-def compare(got: Any, want: Any) -> str | None:
+def mismatch(got: Any, want: Any) -> str | None:
     """None when equal, else where they first differ (both compared as canonical JSON)."""
     try:
         if canonical_json(got) == canonical_json(want):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.canonical import canonical_json
-from ckptfmt.describe import describe
+from ckptfmt.description import canonical_description
 
 from .inputs import training_base, weights_base
 from .invalid import Invalid
@@ -81,7 +81,7 @@ def generate(out: Path) -> None:
         write(doc, target / "checkpoint")
         if spec.post is not None:
             spec.post(Tree(target / "checkpoint"))
-        got = describe(target / "checkpoint")
+        got = canonical_description(target / "checkpoint")
         want = expected_description(doc)
         if spec.expect is not None:
             spec.expect(want)

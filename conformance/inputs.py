@@ -48,7 +48,7 @@ def tensor(dtype: str, shape: list[int], seed: int = 0, chunks: list[dict[str, A
 
 def f(value: float) -> dict[str, str]:
     """A tagged float, as the description writes it."""
-    from ckptfmt.describe import float_text
+    from ckptfmt.description import float_text
 
     return {"$float": float_text(value)}
 

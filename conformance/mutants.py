@@ -7,7 +7,7 @@ and any other simple statement (``raise ...``, or an expression statement such a
 ``report.problems.append(...)`` or ``_require(ok, ..., "FLD-2")``) holding the string literal of that
 ID is replaced by ``pass`` (:class:`_Disable`). A worker process imports ``ckptfmt`` with those
 modules swapped in (a meta-path finder) and runs every reader vector in process through
-:func:`ckptfmt.describe.describe`, judged exactly as the runner judges ``ckpt dump --canonical``
+:func:`ckptfmt.description.canonical_description`, judged exactly as the runner judges ``ckpt dump --canonical``
 (conformance/classify.py). The mutant is *caught* when some vector the unmutated reader passes now
 fails; one that survives shows a check no vector needs, unless the check is provably redundant
 (:data:`REDUNDANT` says which rule catches it).
@@ -200,14 +200,14 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def exchange_in_process(vec: Vector) -> Exchange:
     """What ``ckpt dump --canonical <vec>/checkpoint`` would answer, without a process per vector."""
     from ckptfmt.canonical import canonical_json
-    from ckptfmt.describe import describe, refusal_line
+    from ckptfmt.description import canonical_description, refusal_line
     from ckptfmt.errors import CheckpointError
 
     argv = ("describe", str(vec.path / "checkpoint"))
     start = time.monotonic()
     stdout, stderr, status = "", "", 0
     try:
-        stdout = canonical_json(describe(vec.path / "checkpoint")).decode("utf-8") + "\n"
+        stdout = canonical_json(canonical_description(vec.path / "checkpoint")).decode("utf-8") + "\n"
     except CheckpointError as exc:
         # as cli/dump.py: an error naming no requirement goes through cli/errors.py (exit 1, or 2 for I/O)
         status = 1 if exc.requirement is not None or exc.code not in _USAGE_CODES else 2

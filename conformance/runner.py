@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from ckptfmt.describe import describe
+from ckptfmt.description import canonical_description
 from ckptfmt.errors import CheckpointError
 
-from .classify import REFUSAL_STATUS, Exchange, compare, judge_invalid, judge_valid
+from .classify import REFUSAL_STATUS, Exchange, judge_invalid, judge_valid, mismatch
 from .results import Kind, Result
 from .suite import Vector
 from .values import expected_description, load
@@ -163,7 +163,7 @@ def _write_valid(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Resu
         problems.append((Kind.WRITE_FAILED, vec.requirements, f"writer failed: {_last_line(ex.stderr)}"))
     else:
         try:
-            written = describe(first)
+            written = canonical_description(first)
         except CheckpointError as exc:
             message = f"reference reader refuses it: [{exc.code}] {exc.message}"[:160]
             problems.append((Kind.UNREADABLE, vec.requirements, message))
@@ -172,7 +172,7 @@ def _write_valid(cmd: list[str], vec: Vector, tmp: Path, timeout: float) -> Resu
             want = expected_description(load(source.read_bytes()))
             # what a writer of this specification writes for what it wrote (VER-1): 1.0, or 1.2 with block digests
             want["format_version"] = expected_version(json.loads((first / "manifest.json").read_bytes()))
-            if (difference := compare(written, want)) is not None:
+            if (difference := mismatch(written, want)) is not None:
                 problems.append((Kind.WRONG_CONTENT, vec.requirements, f"content: {difference}"))
             for rid, message in run_checks(first, ex.stdout):
                 problems.append((Kind.CHECK_FAILED, (rid,), f"{rid}: {message}"))

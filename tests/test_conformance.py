@@ -25,7 +25,7 @@ sys.path.append(str(ROOT))  # conformance/ is a top-level directory of the repos
 
 from ckptfmt.cli import cli  # noqa: E402
 
-from ckptfmt.describe import context_json, describe  # noqa: E402
+from ckptfmt.description import canonical_description, context_json  # noqa: E402
 from conformance import VECTORS  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -95,10 +95,10 @@ def test_a_reader_that_misreports_a_digest_fails(tmp_path: Path) -> None:
         "liar.py",
         """
         import json, sys
-        from ckptfmt.describe import describe, refusal_line
+        from ckptfmt.description import canonical_description, refusal_line
         from ckptfmt.errors import CheckpointError
         try:
-            doc = describe(sys.argv[1])
+            doc = canonical_description(sys.argv[1])
         except CheckpointError as exc:  # refuses as the strict protocol says
             sys.exit(refusal_line(exc))
         tensors = doc["fields"]["weights"]["tensors"]
@@ -274,7 +274,7 @@ def test_writer_inputs_round_trip_through_the_description_mapping() -> None:
 def test_the_reference_refuses_each_invalid_vector_with_a_checkpoint_error(vector: str) -> None:
     """Not a crash: every refusal is a CheckpointError with a code (the runner only sees the exit status)."""
     with pytest.raises(CheckpointError) as info:
-        describe(VECTORS / "invalid" / vector / "checkpoint")
+        canonical_description(VECTORS / "invalid" / vector / "checkpoint")
     assert info.value.code not in ("checkpoint_error", "storage", "usage")
 
 
@@ -298,7 +298,7 @@ def test_a_requirement_named_by_a_refusal_is_one_the_vector_names() -> None:
         expected = json.loads((vector / "expected.json").read_bytes())
         allowed = set(expected["requirements"]) | set(expected.get("also", []))
         with pytest.raises(CheckpointError) as info:
-            describe(vector / "checkpoint")
+            canonical_description(vector / "checkpoint")
         if info.value.requirement not in allowed:
             wrong.append((vector.name, info.value.requirement, sorted(allowed)))
     assert wrong == []

@@ -59,7 +59,7 @@ def test_reading_detects_every_flip_and_truncation(small: corruption.CorruptionF
 
 
 # Defect D6, found by this harness: ckpt diff checked chunk digests but not whole-file digests nor the
-# format_version (cli/compare.py); it now verifies both sides first.
+# format_version (cli/checkpoint_diff.py); it now verifies both sides first.
 def test_diff_against_the_original_detects_a_flipped_file_digest(tmp_path: Path) -> None:
     import json
     import shutil

@@ -189,9 +189,9 @@ def test_dataset_identity_is_recorded_and_checked() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     snap = api.capture(step=1, model=model, optimizer=opt, sampler=sampler, config={"a": 1})
     same = ResumableSampler(N, seed=1, dataset=identity)
-    assert api.compare(snap, sampler=same) == []
+    assert api.resume_mismatches(snap, sampler=same) == []
     other = ResumableSampler(N, seed=1, dataset=DatasetIdentity(name="corpus", version="v3", shards=("a.bin",)))
-    differences = api.compare(snap, sampler=other)
+    differences = api.resume_mismatches(snap, sampler=other)
     assert any("dataset version 'v2' in the checkpoint, 'v3' now" in d for d in differences)
     assert any(d.startswith("dataset digest") for d in differences)
     assert ResumeMismatchError.code == "resume_mismatch"

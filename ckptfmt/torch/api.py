@@ -202,7 +202,9 @@ def save(
         raise
 
 
-def compare(snap: Snapshot, *, config: object = None, sampler: Any = None, cwd: str | None = None) -> list[str]:
+def resume_mismatches(
+    snap: Snapshot, *, config: object = None, sampler: Any = None, cwd: str | None = None
+) -> list[str]:
     """What differs between the checkpoint and the current run: config hash, code commit, dataset.
 
     ``sampler``: the data source (a loader or a sampler) whose dataset identity is compared.
@@ -411,7 +413,7 @@ def restore(
     ``optimizer``) are left out of the apply.
     """
     source = data_source(sampler=sampler, loader=loader)
-    mismatches = compare(snap, config=config, sampler=source)
+    mismatches = resume_mismatches(snap, config=config, sampler=source)
     if mismatches:
         message = f"resuming {url} under a different run: " + "; ".join(mismatches)
         if on_mismatch == "strict":

@@ -55,7 +55,7 @@ class Case:
         trees = (self.tree, self.dest)
         return len(self.data) + sum(len(v) for tree in trees for v in tree.values() if isinstance(v, bytes))
 
-    def describe(self) -> str:
+    def holder(self) -> str:
         if self.tree:
             return f"tree of {len(self.tree)} entries, args {list(self.args)}"
         return f"{len(self.data)} bytes, args {list(self.args)}"
@@ -200,7 +200,7 @@ def _writer_lock(case: Case, box: Sandbox | None) -> None:
     if lock is not None:
         lock.holder_is_dead()
         lock.age_seconds()
-        lock.describe()
+        lock.holder()
 
 
 # ---------------------------------------------------------------- API runs over trees

@@ -214,7 +214,7 @@ def _ignored(patterns: Sequence[str], *names: str) -> bool:
     return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
-def compare(
+def diff_checkpoints(
     a: ckptfmt.Checkpoint, b: ckptfmt.Checkpoint, *, ignore: Sequence[str] = (), compared: Compared = "bytes"
 ) -> dict[str, Any]:
     """The ``ckpt diff --json`` document (without the urls).

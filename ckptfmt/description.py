@@ -106,7 +106,7 @@ def context_json(value: object) -> object:
     raise TypeError(f"{type(value).__name__} is not a context value")
 
 
-def describe(url: str | os.PathLike[str], options: Mapping[str, Any] | None = None) -> dict[str, object]:
+def canonical_description(url: str | os.PathLike[str], options: Mapping[str, Any] | None = None) -> dict[str, object]:
     """The canonical description of the checkpoint at ``url``; raises the first problem found."""
     with open_checkpoint(url, options) as ckpt:
         report = ckpt.verify()
