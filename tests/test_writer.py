@@ -1,12 +1,9 @@
-"""The writer and its commit protocol: abort, completeness, no overwrite, the lock, determinism."""
+"""The writer and its commit protocol: abort, completeness, no overwrite, determinism (the lock: test_lock.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +16,6 @@ import ckptfmt
 from ckptfmt import dtypes
 from ckptfmt.errors import (
     CheckpointExistsError,
-    CheckpointLockedError,
     ChunkLayoutError,
     DTypeError,
     MissingFieldError,
@@ -194,61 +190,6 @@ def test_overwrite_replaces_and_keeps_no_stale_files(
     assert set(listing(store_url)) == {f.path for f in ckpt.manifest.files} | {"manifest.json"}
     assert "ema" not in ckpt.fields and "extra" not in ckpt.fields
     assert ckptfmt.verify(store_url).ok
-
-
-# ---------------------------------------------------------------- the writer lock
-
-
-def test_a_second_writer_is_refused_by_the_lock(store_url: str, fill_writer: Callable[..., None]) -> None:
-    first = ckptfmt.open_writer(store_url, profile="training")
-    assert ".writer-lock" in listing(store_url)
-    with pytest.raises(CheckpointLockedError) as info:
-        ckptfmt.open_writer(store_url, profile="training")
-    assert isinstance(info.value, CheckpointExistsError)
-    assert str(os.getpid()) in str(info.value)  # says who holds it
-    with first:
-        fill_writer(first, profile="training")
-    assert ".writer-lock" not in listing(store_url)
-    assert ckptfmt.verify(store_url).ok
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def put_lock(url: str, **holder: Any) -> None:
-    ckptfmt.open_store(url).put_exclusive(".writer-lock", json.dumps(holder).encode())
-
-
-def test_a_stale_lock_of_a_dead_pid_is_taken_over(store_url: str, fill_writer: Callable[..., None]) -> None:
-    put_lock(store_url, host=socket.gethostname(), pid=dead_pid(), nonce="x", started_at="2026-01-01T00:00:00Z")
-    with ckptfmt.open_writer(store_url, profile="training") as w:
-        fill_writer(w, profile="training")
-    assert ".writer-lock" not in listing(store_url)
-    assert ckptfmt.verify(store_url).ok
-
-
-@pytest.mark.parametrize(
-    "holder",
-    [
-        {"host": socket.gethostname(), "pid": os.getpid()},  # alive
-        {"host": "some-other-host", "pid": 1},  # cannot tell: another host
-        {"host": socket.gethostname()},  # no pid
-    ],
-)
-def test_a_live_or_unknown_lock_is_respected(store_url: str, holder: dict[str, Any]) -> None:
-    put_lock(store_url, **holder)
-    with pytest.raises(CheckpointLockedError):
-        ckptfmt.open_writer(store_url, profile="weights")
-    assert set(listing(store_url)) == {".writer-lock"}
-
-
-def test_a_garbage_lock_is_respected(store_url: str) -> None:
-    ckptfmt.open_store(store_url).put_exclusive(".writer-lock", b"\xff not json")
-    with pytest.raises(CheckpointLockedError):
-        ckptfmt.open_writer(store_url, profile="weights")
 
 
 # ---------------------------------------------------------------- determinism
