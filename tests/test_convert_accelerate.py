@@ -98,7 +98,7 @@ def test_per_process_rng_files(tmp_path: Path) -> None:
         assert ckpt.read_context("topology")["world_size"] == 2
         assert ckpt.read_context("accelerate")["step"] == {"0": 0, "1": 1}
     convert(out, str(tmp_path / "back"), to="accelerate")
-    from ckptfmt.convert.hf_trainer import numpy_globals
+    from ckptfmt.convert.torch_files import numpy_globals
 
     with torch.serialization.safe_globals(numpy_globals()):
         state = torch.load(tmp_path / "back" / "random_states_1.pkl", weights_only=True)

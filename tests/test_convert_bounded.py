@@ -21,7 +21,7 @@ import torch
 import ckptfmt
 from ckptfmt.convert import convert
 from ckptfmt.convert.base import locate
-from ckptfmt.convert.hf_trainer import read_training_args
+from ckptfmt.convert.training_args import read_training_args
 from ckptfmt.errors import SourceFormatError
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -13,7 +13,7 @@ import pytest
 import ckptfmt
 from ckptfmt.convert import convert
 from ckptfmt.convert.base import ConvertResult, NoProgress
-from ckptfmt.convert.hf_trainer import write_training
+from ckptfmt.convert.training import write_training
 from ckptfmt.errors import UnsafePathError
 
 sys.path.insert(0, str(Path(__file__).parent))

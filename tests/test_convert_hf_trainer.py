@@ -342,14 +342,14 @@ def test_deeply_nested_training_args_are_read_without_recursion(run: Path, tmp_p
 
 
 def test_scan_pickle_reads_plain_values_and_keeps_calls_opaque() -> None:
-    from ckptfmt.convert.hf_trainer import scan_pickle
+    from ckptfmt.convert.pickle_scan import scan_pickle
 
     value = {"a": [1, 2.5, None, True, "s", b"b"], "t": (1, (2,)), "shared": [0]}
     value["again"] = value["shared"]
     for protocol in range(3, pickle.HIGHEST_PROTOCOL + 1):  # protocol 2 writes bytes as a call of _codecs
         assert scan_pickle(pickle.dumps(value, protocol=protocol), "mem") == {**value, "t": (1, (2,))}
     opaque = scan_pickle(pickle.dumps(_Payload("m")), "mem")
-    assert type(opaque).__name__ == "_Opaque" and opaque.name.endswith("system")  # type: ignore[attr-defined]
+    assert type(opaque).__name__ == "Opaque" and opaque.name.endswith("system")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "bin"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptfmt.convert import convert, torch_pt
-from ckptfmt.convert.hf_trainer import numpy_globals
+from ckptfmt.convert.torch_files import numpy_globals
 
 
 def accelerate_state(root: Path) -> Path:

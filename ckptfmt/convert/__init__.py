@@ -24,44 +24,26 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, UsageError
 from .base import ConvertResult, NoProgress, Progress, list_names, locate, parse_size
-
-FORMATS: tuple[str, ...] = ("ckptfmt", "hf", "pt", "dcp", "hf-trainer", "lightning", "accelerate")
-ALIASES: dict[str, str] = {"safetensors": "hf", "torch": "pt", "pth": "pt", "bin": "pt", "ckpt": "lightning"}
-WRITABLE: tuple[str, ...] = ("ckptfmt", "hf", "dcp", "hf-trainer", "lightning", "accelerate")
+from .formats import ALIASES, BY_LISTING, BY_URL, FORMATS, WRITABLE, Options, find
 
 
 def normalize_format(name: str) -> str:
-    fmt = ALIASES.get(name.lower(), name.lower())
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
-    return fmt
+    return find(name).name
 
 
 def detect_format(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
     """The format of what is at ``url``, from its names alone (nothing is unpickled or parsed)."""
     text = os.fspath(url).rstrip("/")
-    if text.endswith(".ckpt") and not list_names(locate(text, storage_options)):
-        return "lightning"  # a file; a directory named *.ckpt is what ckptfmt's Lightning plugin writes
-    if text.endswith((".pt", ".bin", ".pth")):
-        return "pt"
-    if text.endswith((".safetensors", ".safetensors.index.json")):
-        return "hf"
+    for fmt in BY_URL:
+        if fmt.claims_name(text, lambda: bool(list_names(locate(text, storage_options)))):
+            return fmt.name
     loc = locate(text, storage_options)
     names = list_names(loc)
     if not names and not loc.fs.exists(loc.path):
         raise CheckpointNotFoundError("nothing here", path=text)
-    if "manifest.json" in names or ".writer-lock" in names:
-        return "ckptfmt"
-    if ".metadata" in names:
-        return "dcp"
-    if "trainer_state.json" in names:
-        return "hf-trainer"
-    if any(n.startswith("random_states_") and n.endswith(".pkl") for n in names):
-        return "accelerate"
-    if any(n.endswith((".safetensors.index.json", ".safetensors")) for n in names):
-        return "hf"
-    if any(n.endswith((".pt", ".bin", ".pth")) for n in names):
-        return "pt"
+    for fmt in BY_LISTING:
+        if fmt.detect(names):
+            return fmt.name
     what = "an empty or missing directory" if not names else f"a directory of {len(names)} unrecognized entries"
     raise UsageError(f"cannot tell the format of {text!r} ({what}); pass --from")
 
@@ -132,61 +114,21 @@ def _convert(
     field: str,
     progress: Progress | None,
 ) -> ConvertResult:
-    to = normalize_format(to)
-    if to not in WRITABLE:
-        raise UsageError(f"format {to!r} is import only; write one of: {', '.join(WRITABLE)}")
-    fmt = normalize_format(source_format) if source_format else detect_format(src, storage_options)
-    if fmt != "ckptfmt" and to != "ckptfmt":
-        raise UsageError(f"convert {fmt} to ckptfmt first, then ckptfmt to {to}")
-    common: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite, "progress": progress}
-    if to == "ckptfmt":
-        common["target_file_size"] = target_file_size
-        if fmt == "ckptfmt":
-            from .native import reencode
-
-            return reencode(src, dst, **common)
-        if fmt == "hf":
-            from .hf import import_hf
-
-            return import_hf(src, dst, **common)
-        if fmt == "pt":
-            from .torch_pt import import_pt
-
-            return import_pt(src, dst, **common)
-        if fmt == "hf-trainer":
-            from .hf_trainer import import_hf_trainer
-
-            return import_hf_trainer(src, dst, **common)
-        if fmt == "lightning":
-            from .lightning import import_lightning
-
-            return import_lightning(src, dst, **common)
-        if fmt == "accelerate":
-            from .accelerate import import_accelerate
-
-            return import_accelerate(src, dst, **common)
-        from .dcp import import_dcp
-
-        return import_dcp(src, dst, **common)
-    if to == "hf-trainer":
-        from .hf_trainer import export_hf_trainer
-
-        return export_hf_trainer(src, dst, **common)
-    if to == "lightning":
-        from .lightning import export_lightning
-
-        return export_lightning(src, dst, **common)
-    if to == "accelerate":
-        from .accelerate import export_accelerate
-
-        return export_accelerate(src, dst, **common)
-    if to == "hf":
-        from .hf import DEFAULT_MAX_SHARD_SIZE, export_hf
-
-        return export_hf(src, dst, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE, field=field, **common)
-    from .dcp import export_dcp
-
-    return export_dcp(src, dst, field=field, **common)
+    target = find(to)
+    if target.writer is None:
+        raise UsageError(f"format {target.name!r} is import only; write one of: {', '.join(WRITABLE)}")
+    source = find(source_format) if source_format else find(detect_format(src, storage_options))
+    if source.name != "ckptfmt" and target.name != "ckptfmt":
+        raise UsageError(f"convert {source.name} to ckptfmt first, then ckptfmt to {target.name}")
+    options = Options(
+        storage_options=storage_options,
+        overwrite=overwrite,
+        target_file_size=target_file_size,
+        max_shard_size=max_shard_size or None,  # the writer's default (hf: 5GB)
+        field=field,
+        progress=progress,
+    )
+    return source.read(src, dst, options) if target.name == "ckptfmt" else target.write(src, dst, options)
 
 
 __all__ = [

@@ -28,20 +28,24 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..arrays import to_torch, torchify
 from ..canonical import config_hash
 from ..errors import SourceFormatError, UnsafePathError
-from .base import ConvertResult, NoProgress, Progress, converted_from, list_names, locate
-from .hf_trainer import (
+from .base import ConvertResult, NoProgress, Progress, list_names, locate
+from .destination import check_name, prepare_directory
+from .lightning import decode, encode
+from .optimizer import split_optimizers
+from .rng_state import generators_by_rank, rng_generators, trainer_rng_dict
+from .torch_files import load_torch_file, plain, save_torch
+from .training import (
     LazySafetensors,
+    TrainingSource,
     field_source,
-    load_torch_file,
-    missing_note,
-    plain,
-    rng_generators,
-    split_optimizer,
-    write_training,
+    import_training,
+    optimizer_states,
+    read_contexts,
+    write_files,
 )
-from .lightning import encode
 
 _MODEL = re.compile(r"(model|pytorch_model)(?:_(\d+))?\.(safetensors|bin)")
 _OPTIMIZER = re.compile(r"optimizer(?:_(\d+))?\.bin")
@@ -108,15 +112,8 @@ def import_accelerate(
         missing["weights"] = "no model files"
 
     optimizers = {_index(m, 1): n for n in names if (m := _OPTIMIZER.fullmatch(n))}
-    opt_tensors: dict[str, Any] = {}
-    opt_context: dict[str, Any] = {}
-    for i, name in sorted(optimizers.items()):
-        tensors, context = split_optimizer(load_torch_file(loc.join(name)), loc.join(name).url)
-        if len(optimizers) == 1:
-            opt_tensors, opt_context = tensors, context
-        else:
-            opt_tensors |= {f"{i}/{k}": v for k, v in tensors.items()}
-            opt_context.setdefault("optimizers", []).append(context)
+    files = [loc.join(optimizers[i]) for i in sorted(optimizers)]
+    opt_tensors, opt_context = split_optimizers([load_torch_file(f) for f in files], [f.url for f in files])
     if optimizers:
         sources["optimizer"] = field_source(", ".join(optimizers[i] for i in sorted(optimizers)), "state, param_groups")
     else:
@@ -176,27 +173,28 @@ def import_accelerate(
         contexts[name] = value
         missing.pop(name, None)
         sources[name] = field_source("", "given by the caller")
-    provenance = converted_from("accelerate", loc.url, fields=sources, missing=missing, skipped=skipped)
-    if step is not None:
-        provenance["step"] = step
-
-    result = ConvertResult(source=loc.url, source_format="accelerate", destination=dst, destination_format="ckptfmt")
-    if missing:
-        result.notes.append(missing_note("Accelerate", missing))
-    result.notes += [f"skipped {s}" for s in skipped]
-    write_training(
-        dst,
+    source = TrainingSource(
         weights=weights,
-        optimizer=(opt_tensors, opt_context),
-        contexts={**contexts, **extra, "provenance": provenance},
+        optimizer=opt_tensors,
+        optimizer_context=opt_context,
+        contexts={**contexts, **extra},
         extra_tensors={"accelerate_tensors": other_tensors} if other_tensors else None,
-        result=result,
-        progress=progress or NoProgress(),
+        sources=sources,
+        missing=missing,
+        skipped=skipped,
+        step=step,
+    )
+    return import_training(
+        "accelerate",
+        "Accelerate",
+        loc.url,
+        source,
+        dst,
         storage_options=storage_options,
         overwrite=overwrite,
         target_file_size=target_file_size,
+        progress=progress or NoProgress(),
     )
-    return result
 
 
 # ---------------------------------------------------------------- export
@@ -204,8 +202,6 @@ def import_accelerate(
 
 def _accelerate_rng(generators: Mapping[str, Any], prefix: str, step: object) -> dict[str, Any]:
     """ckptfmt generator records -> the dict Accelerate saves as random_states_<rank>.pkl."""
-    from .hf_trainer import trainer_rng_dict
-
     trainer = trainer_rng_dict(generators, prefix)
     names = {"python": "random_state", "numpy": "numpy_random_seed", "cpu": "torch_manual_seed"}
     out: dict[str, Any] = {"step": step if type(step) is int else 0}
@@ -227,25 +223,15 @@ def export_accelerate(
 
     Each model's weights are written whole (as ``save_state`` does), so memory holds the largest model.
     """
-    import io
-
     import safetensors.torch
-    import torch
 
     import ckptfmt
-
-    from .destination import check_name, prepare_directory, write_output
-    from .hf_trainer import join_optimizer, torchify
-    from .lightning import decode
-    from .torch_bridge import to_torch
 
     out = locate(dst, storage_options)
     result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="accelerate")
     files: dict[str, bytes] = {}
     with ckptfmt.open(src, storage_options) as ckpt:
-        contexts: dict[str, dict[str, Any]] = {
-            n: ckpt.read_context(n) for n, rec in ckpt.fields.items() if rec.context is not None
-        }
+        contexts = read_contexts(ckpt)
         info = contexts.get("accelerate", {})
         models = int(info.get("models", 1) or 1)
         groups: dict[int, dict[str, Any]] = {}
@@ -253,20 +239,12 @@ def export_accelerate(
             index, key = 0, name
             if models > 1 and (m := re.match(r"model_(\d+)\.(.+)", name)):
                 index, key = int(m.group(1)), m.group(2)
-            groups.setdefault(index, {})[key] = to_torch(array, _dtype(array)).contiguous()
+            groups.setdefault(index, {})[key] = to_torch(array).contiguous()
             result.tensors += 1
             result.bytes += int(array.nbytes)
         for index, state in sorted(groups.items()):
             files[f"model{f'_{index}' if index else ''}.safetensors"] = safetensors.torch.save(state)
-        opt_tensors = ckpt.read_tensors("optimizer") if "optimizer" in ckpt.fields else {}
-        opt_context = contexts.get("optimizer", {})
-        states: list[Any] = []
-        if "optimizers" in opt_context:
-            for i, context in enumerate(opt_context["optimizers"]):
-                mine = {k.partition("/")[2]: v for k, v in opt_tensors.items() if k.partition("/")[0] == str(i)}
-                states.append(join_optimizer(mine, context))
-        elif opt_tensors or opt_context.get("param_groups"):
-            states.append(join_optimizer(opt_tensors, opt_context))
+        states = optimizer_states(ckpt, contexts)
         objects: dict[str, Any] = {f"optimizer{f'_{i}' if i else ''}.bin": s for i, s in enumerate(states)}
         scheduler = contexts.get("scheduler", {})
         schedulers = scheduler.get("states", [scheduler["state"]] if "state" in scheduler else [])
@@ -274,15 +252,13 @@ def export_accelerate(
             objects[f"scheduler{f'_{i}' if i else ''}.bin"] = torchify(state)
         if "state" in contexts.get("grad_scaler", {}):
             objects["scaler.pt"] = torchify(contexts["grad_scaler"]["state"])
-        found = contexts.get("rng", {}).get("generators")
-        generators: dict[str, Any] = dict(found) if isinstance(found, Mapping) else {}
+        generators, ranks = generators_by_rank(contexts)
         steps: Mapping[str, Any] = info["step"] if isinstance(info.get("step"), Mapping) else {}
-        ranks = sorted({int(m.group(1)) for n in generators if (m := re.match(r"rank(\d+)/", n))})
         for r in ranks or ([0] if generators else []):
             prefix = f"rank{r}/" if ranks else ""
             objects[f"random_states_{r}.pkl"] = _accelerate_rng(generators, prefix, steps.get(str(r)))
         extra_tensors = {
-            k: to_torch(v, _dtype(v)).clone()
+            k: to_torch(v).clone()
             for k, v in (ckpt.read_tensors("accelerate_tensors") if "accelerate_tensors" in ckpt.fields else {}).items()
         }
         for name, value in dict(info.get("files") or {}).items():
@@ -290,22 +266,9 @@ def export_accelerate(
             if check_name(out, name) in objects or name in files:
                 raise UnsafePathError(f"the accelerate context names {name!r}, a file written already", path=src)
             objects[name] = decode(value, extra_tensors)
-    for name, obj in objects.items():
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        files[name] = buf.getvalue()
+    files |= {name: save_torch(obj) for name, obj in objects.items()}
     prepare_directory(out, list(files), overwrite=overwrite)
-    (progress or NoProgress()).start(sum(len(b) for b in files.values()))
-    for name, data in files.items():
-        write_output(out, name, data)
-        result.files.append(name)
-        (progress or NoProgress()).advance(len(data))
+    write_files(out, files, result, progress or NoProgress())
     if not generators:
         result.notes.append("the checkpoint holds no RNG state: load_state leaves the generators as they are")
     return result
-
-
-def _dtype(array: Any) -> str:
-    from ..arrays import as_array
-
-    return as_array(array)[1]

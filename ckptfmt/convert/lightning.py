@@ -23,7 +23,6 @@ and tensors marked), so :func:`to_checkpoint` gives Lightning back the dict it s
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +33,11 @@ from ..canonical import config_hash
 from ..errors import CheckpointError, SourceFormatError, UsageError
 from ..fields import check_config
 from . import torch_pt
-from .base import ConvertResult, NoProgress, Progress, converted_from, fs_call, locate, refuse_existing
+from .base import ConvertResult, NoProgress, Progress, fs_call, locate, refuse_existing
 from .destination import check_name, write_output
-from .hf_trainer import field_source, join_optimizer, missing_note, split_optimizer, write_training
+from .optimizer import join_optimizers, split_optimizers
+from .torch_files import save_torch
+from .training import TrainingSource, field_source, import_training
 
 _TENSOR, _TUPLE, _ITEMS = "$tensor", "$tuple", "$items"
 _SPLIT = ("state_dict", "optimizer_states")
@@ -125,12 +126,9 @@ def split_checkpoint(checkpoint: object, url: str) -> Fields:
     optimizers = checkpoint.get("optimizer_states") or []
     if not isinstance(optimizers, list):
         raise SourceFormatError("'optimizer_states' must be a list of optimizer state dicts", path=url)
-    if len(optimizers) == 1:  # the layout ckptfmt.torch uses, so either side can resume the other
-        out.optimizer, out.optimizer_context = split_optimizer(optimizers[0], f"{url}: optimizer_states.0")
-    for i, state in enumerate(optimizers if len(optimizers) > 1 else []):
-        tensors, context = split_optimizer(state, f"{url}: optimizer_states.{i}")
-        out.optimizer |= {f"{i}/{k}": v for k, v in tensors.items()}
-        out.optimizer_context.setdefault("optimizers", []).append(context)
+    # one optimizer: the layout ckptfmt.torch uses, so either side can resume the other
+    urls = [f"{url}: optimizer_states.{i}" for i in range(len(optimizers))]
+    out.optimizer, out.optimizer_context = split_optimizers(optimizers, urls)
     if optimizers:
         out.sources["optimizer"] = field_source("", "optimizer_states")
     else:
@@ -191,14 +189,10 @@ def join_checkpoint(
 ) -> dict[str, Any]:
     """The Lightning dict back from the fields (tensors as numpy arrays or torch tensors); ``aliases`` (the
     weights context's) name tensors stored once under another name, given back as that same tensor."""
-    from .torch_bridge import to_torch
+    from ..arrays import to_torch
 
     def torch_of(value: Any) -> Any:
-        if isinstance(value, np.ndarray):
-            from ..arrays import as_array
-
-            return to_torch(value, as_array(value)[1]).clone()
-        return value
+        return to_torch(value).clone() if isinstance(value, np.ndarray) else value
 
     rest = decode(lightning.get("checkpoint", {}), {k: torch_of(v) for k, v in extra_tensors.items()})
     if not isinstance(rest, dict):
@@ -209,16 +203,7 @@ def join_checkpoint(
         if target not in out["state_dict"]:
             raise UsageError(f"weights alias {alias!r} names {target!r}, which is not a weight")
         out["state_dict"][alias] = out["state_dict"][target]
-    if "optimizers" in optimizer_context:
-        states = []
-        for i, context in enumerate(optimizer_context["optimizers"]):
-            mine = {k.partition("/")[2]: v for k, v in optimizer.items() if k.partition("/")[0] == str(i)}
-            states.append(join_optimizer(mine, context))
-        out["optimizer_states"] = states
-    elif optimizer or optimizer_context.get("param_groups"):
-        out["optimizer_states"] = [join_optimizer(optimizer, optimizer_context)]
-    else:
-        out["optimizer_states"] = []
+    out["optimizer_states"] = join_optimizers(optimizer, optimizer_context)
     return out
 
 
@@ -264,30 +249,28 @@ def import_lightning(
             source["file"] = name
     fields.missing["rng"] = "Lightning saves no RNG state (the ckptfmt CheckpointIO plugin records it)"
     fields.missing["topology"] = "Lightning saves no world size or devices: one process is assumed"
-    result = ConvertResult(source=loc.url, source_format="lightning", destination=dst, destination_format="ckptfmt")
-    result.notes.append(missing_note("Lightning", fields.missing))
     step = fields.contexts["data"]["lightning"].get("global_step")
-    provenance = converted_from("lightning", loc.url, fields=fields.sources, missing=fields.missing, skipped=[])
-    if type(step) is int:
-        provenance["step"] = step
-    write_training(
-        dst,
+    source = TrainingSource(
         weights=fields.weights,
-        optimizer=(fields.optimizer, fields.optimizer_context),
-        contexts={
-            **fields.contexts,
-            "rng": {"generators": {}},
-            "topology": {"world_size": 1},
-            "provenance": provenance,
-        },
+        optimizer=fields.optimizer,
+        optimizer_context=fields.optimizer_context,
+        contexts={**fields.contexts, "rng": {"generators": {}}, "topology": {"world_size": 1}},
         extra_tensors={"lightning_tensors": fields.extra_tensors},
-        result=result,
-        progress=progress or NoProgress(),
+        sources=fields.sources,
+        missing=fields.missing,
+        step=step if type(step) is int else None,
+    )
+    return import_training(
+        "lightning",
+        "Lightning",
+        loc.url,
+        source,
+        dst,
         storage_options=storage_options,
         overwrite=overwrite,
         target_file_size=target_file_size,
+        progress=progress or NoProgress(),
     )
-    return result
 
 
 def export_lightning(
@@ -299,8 +282,6 @@ def export_lightning(
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Write the ``.ckpt`` file Lightning saved (from a checkpoint that has the ``lightning`` field)."""
-    import torch
-
     import ckptfmt
 
     out = locate(dst, storage_options)
@@ -310,11 +291,10 @@ def export_lightning(
     result = ConvertResult(source=src, source_format="ckptfmt", destination=out.url, destination_format="lightning")
     with ckptfmt.open(src, storage_options) as ckpt:
         checkpoint = to_checkpoint(ckpt)
-    buf = io.BytesIO()
-    torch.save(checkpoint, buf)
-    write_output(parent, name, buf.getvalue())  # a symlink in place of the file is refused, never written through
+    data = save_torch(checkpoint)
+    write_output(parent, name, data)  # a symlink in place of the file is refused, never written through
     result.tensors = len(checkpoint["state_dict"])
-    result.bytes = len(buf.getvalue())
+    result.bytes = len(data)
     result.files = [out.url.rpartition("/")[2]]
     (progress or NoProgress()).start(0)
     return result

@@ -9,41 +9,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from ..arrays import TORCH_DTYPES, to_torch
 from ..errors import SourceFormatError
 
-# safetensors dtype name -> torch dtype attribute
-TORCH_DTYPES: dict[str, str] = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U64": "uint64",
-    "I64": "int64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
-
-
-def to_torch(array: np.ndarray[Any, Any], dtype: str) -> Any:
-    """A torch tensor sharing ``array``'s bytes, of the torch dtype matching safetensors ``dtype``."""
-    import torch
-
-    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    flat = torch.from_numpy(raw).view(getattr(torch, TORCH_DTYPES[dtype]))
-    return flat.reshape(tuple(array.shape))
+__all__ = [
+    "TORCH_DTYPES",
+    "Split",
+    "context_value",
+    "find_optimizers",
+    "is_tensor",
+    "pop_path",
+    "split_tree",
+    "to_torch",
+]
 
 
 def is_tensor(value: object) -> bool:

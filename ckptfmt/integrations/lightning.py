@@ -56,7 +56,7 @@ class CkptfmtCheckpointIO(CheckpointIO):  # type: ignore[misc]
         import torch.distributed as dist
 
         from ..convert.base import ConvertResult, NoProgress
-        from ..convert.hf_trainer import write_training
+        from ..convert.training import write_training
         from ..torch import rng, topology
         from ..torch.state import config_field
 

@@ -431,7 +431,7 @@ def check_restorable(source: Any, data: Mapping[str, Any]) -> None:
 
 def restore_data(source: Any, data: Mapping[str, Any]) -> None:
     """Put the data position back into ``source`` (after :func:`check_restorable`)."""
-    from . import state as torch_state
+    from ..arrays import torchify
 
     if _is_plain_loader(source):
         source = _inner_sampler(source)
@@ -442,8 +442,8 @@ def restore_data(source: Any, data: Mapping[str, Any]) -> None:
         return
     loader = data.get("loader")
     if isinstance(loader, Mapping) and "state" in loader and "kind" in loader:
-        source.load_state_dict(torch_state._torchify(loader["state"]))
+        source.load_state_dict(torchify(loader["state"]))
     elif loader is not None:
-        source.load_state_dict(torch_state._torchify(loader))  # written before "loader" had kind and state
+        source.load_state_dict(torchify(loader))  # written before "loader" had kind and state
     else:
-        source.load_state_dict(torch_state._torchify(dict(data)))
+        source.load_state_dict(torchify(dict(data)))

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..arrays import as_array
+from .. import optimizer_layout
+from ..arrays import as_array, to_torch, torchify
 from ..canonical import config_hash, config_to_dict
 from ..collective import Collective
 from ..context import decode, encode
-from ..convert.torch_bridge import to_torch
 from ..errors import ContextError, UsageError
 from ..manifest import FieldRecord, Manifest
 from ..read_plan import Target, whole
@@ -117,10 +117,10 @@ def _host(key: str, tensor: torch.Tensor, buffers: HostBuffers | None) -> Stored
 def _to_torch(value: Stored) -> Any:
     """A stored value as what ``load_state_dict`` takes: a tensor, or a DTensor placed like its target."""
     if isinstance(value, TargetShard):
-        return to_target(to_torch(value.array, _dtype_name(value.array)), value.like)
+        return to_target(to_torch(value.array), value.like)
     if isinstance(value, LocalShard):
         raise UsageError("a rank's own shard cannot be applied without its target placement")
-    return to_torch(value, _dtype_name(value))
+    return to_torch(value)
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -190,10 +190,6 @@ def apply_model(model: torch.nn.Module, snap: Snapshot, strict: bool = True) -> 
     model.load_state_dict(state, strict=strict)
 
 
-def _dtype_name(array: np.ndarray[Any, Any]) -> str:
-    return as_array(array)[1]
-
-
 # ------------------------------------------------------------------ optimizer
 
 
@@ -214,34 +210,36 @@ def capture_optimizer(
     """
     if model is None:
         state_dict: dict[str, Any] = optimizer.state_dict()
-        keyed = "index"
+        keyed = optimizer_layout.INDEX
     elif any(is_dtensor(p) for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         state_dict = dict(get_optimizer_state_dict(model, optimizer))  # FQN-keyed, DTensor state as is
-        keyed = "fqn"
+        keyed = optimizer_layout.FQN
     else:
         state_dict = _by_name(optimizer.state_dict(), _param_names(model, optimizer))
-        keyed = "fqn"
-    tensors: dict[str, Stored] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for pid, entry in state_dict["state"].items():
-        for key, value in entry.items():
-            name = f"{pid}/{key}" if keyed == "fqn" else f"state.{pid}.{key}"
-            if isinstance(value, torch.Tensor) and defer:
-                snap.deferred.append(("optimizer", name, value))
-                tensors[name] = _NOT_YET
-            elif isinstance(value, torch.Tensor):
-                tensors[name] = _host(f"optimizer/{name}", value, buffers)
-            else:
-                scalars.setdefault(str(pid), {})[key] = _plain(value, f"optimizer state {pid}.{key}")
+        keyed = optimizer_layout.FQN
+
+    def stored(name: str, tensor: torch.Tensor) -> Stored:
+        if defer:
+            snap.deferred.append(("optimizer", name, tensor))
+            return _NOT_YET
+        return _host(f"optimizer/{name}", tensor, buffers)
+
+    tensors, scalars = optimizer_layout.split_state(
+        state_dict["state"],
+        keyed,
+        is_tensor=lambda value: isinstance(value, torch.Tensor),
+        tensor=stored,
+        value=lambda value, where: _plain(value, f"optimizer state {where}"),
+    )
     snap.tensors["optimizer"] = tensors
-    snap.contexts["optimizer"] = {
-        "class": type(optimizer).__name__,
-        "keys": keyed,
-        "param_groups": _plain(state_dict["param_groups"], "param_groups"),
-        "scalars": scalars,
-    }
+    snap.contexts["optimizer"] = optimizer_layout.context(
+        keys=keyed,
+        param_groups=_plain(state_dict["param_groups"], "param_groups"),
+        scalars=scalars,
+        cls=type(optimizer).__name__,
+    )
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -281,46 +279,27 @@ def _by_index(state_dict: Mapping[str, Any], names: list[str]) -> dict[str, Any]
 
 def optimizer_keys(snap: Snapshot) -> str:
     """How the snapshot's optimizer tensors are named: ``fqn`` (``<param>/<key>``) or ``index`` (older saves)."""
-    keyed = snap.contexts.get("optimizer", {}).get("keys", "index")
-    if keyed not in ("fqn", "index"):
-        raise ContextError(f"unknown optimizer key scheme {keyed!r}", field="optimizer")
-    return str(keyed)
+    return optimizer_layout.key_scheme(snap.contexts.get("optimizer", {}))
 
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: torch.nn.Module | None = None) -> None:
     context = snap.contexts["optimizer"]
     if context.get("class") != type(optimizer).__name__:
         raise UsageError(f"checkpoint holds {context.get('class')} state, the optimizer is {type(optimizer).__name__}")
-    if optimizer_keys(snap) == "fqn":
+    stored = optimizer_layout.join_state(snap.tensors["optimizer"], context, _to_torch)
+    groups = optimizer_layout.param_groups(context["param_groups"])
+    if optimizer_keys(snap) == optimizer_layout.FQN:
         if model is None:
             raise UsageError("optimizer state keyed by parameter name needs the model to restore it")
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        by_name: dict[str, dict[str, Any]] = {}
-        for name, value in snap.tensors["optimizer"].items():
-            fqn, _, key = name.rpartition("/")
-            by_name.setdefault(fqn, {})[key] = _to_torch(value)
-        for fqn, entries in context.get("scalars", {}).items():
-            by_name.setdefault(fqn, {}).update(_torchify(entries))
-        loaded: dict[str, Any] = {"state": by_name, "param_groups": _groups(context["param_groups"])}
+        loaded: dict[str, Any] = {"state": stored, "param_groups": groups}
         if any(is_dtensor(p) for p in model.parameters()):
             set_optimizer_state_dict(model, optimizer, loaded)
         else:
             optimizer.load_state_dict(_by_index(loaded, _param_names(model, optimizer)))
         return
-    state: dict[int, dict[str, Any]] = {}
-    for name, array in snap.tensors["optimizer"].items():
-        _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = _to_torch(array)
-    for pid, entries in context.get("scalars", {}).items():
-        # non-tensor state may hold tensors inside lists (LBFGS's history): they come back as tensors
-        state.setdefault(int(pid), {}).update(_torchify(entries))
-    optimizer.load_state_dict({"state": state, "param_groups": _groups(context["param_groups"])})
-
-
-def _groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # msgpack turns tuples (betas) into lists; torch's optimizers accept either, but keep them tuples
-    return [{k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in g.items()} for g in groups]
+    optimizer.load_state_dict({"state": {int(pid): entries for pid, entries in stored.items()}, "param_groups": groups})
 
 
 # ------------------------------------------------------------------ anything with state_dict()
@@ -333,17 +312,7 @@ def capture_stateful(name: str, obj: Any, snap: Snapshot) -> None:
 
 def apply_stateful(name: str, obj: Any, snap: Snapshot) -> None:
     state = snap.contexts[name]["state"]
-    obj.load_state_dict(_torchify(state))
-
-
-def _torchify(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return to_torch(value, _dtype_name(value)).clone()
-    if isinstance(value, dict):
-        return {k: _torchify(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_torchify(v) for v in value]
-    return value
+    obj.load_state_dict(torchify(state))
 
 
 # ------------------------------------------------------------------ config

@@ -1,5 +1,5 @@
 """The Trainer's ``training_args.bin`` as a fuzz target (issue 23): the pickle-opcode decoder of
-``ckptfmt/convert/hf_trainer.py`` and the bounded walk of ``ckptfmt/convert/bounded.py``.
+``ckptfmt/convert/training_args.py`` (with ``pickle_scan.py``) and the bounded walk of ``ckptfmt/convert/bounded.py``.
 
 The seed (:func:`.seeds.training_args_pickle`) is a ``TrainingArguments`` pickle as torch.save writes it, in a
 torch zip archive or bare. Mutants: the generic pickle mutations (:func:`.mutators.mutate_pickle`: opcodes
@@ -108,7 +108,7 @@ def make_trainer_case(rng: Random) -> Case:
 
 def read_args(case: Case, box: Sandbox | None) -> None:
     from ckptfmt.convert.base import locate
-    from ckptfmt.convert.hf_trainer import read_training_args
+    from ckptfmt.convert.training_args import read_training_args
 
     assert box is not None
     read_training_args(locate(str(box.root)).join(ARGS))
