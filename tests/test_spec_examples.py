@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from ckptfmt.errors import ManifestError
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 SCHEMA = json.loads((SPEC / "schema" / "manifest.schema.json").read_text())

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import CheckpointError, CheckpointNotFoundError, MemoryCapacityError, UnsafePathError, UsageError
-from ..manifest import Manifest, checkpoint_id, parse_manifest
+from ..manifest import Manifest, checkpoint_id
+from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore
