@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypedDict
 
 from . import dtypes
-from .blocks import Blocks
+from .blocks import Blocks, BlocksDict
 from .canonical import manifest_bytes
-from .references import BaseRecord, extension_dict
+from .references import BaseRecord, extension_dict, virtual_path
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_MAJOR = 1
@@ -41,19 +41,57 @@ class FileRecord:
         return {"path": self.path, "size": self.size, "digest": self.digest}
 
 
+class _CodecRequired(TypedDict):
+    name: str
+
+
+class CodecDict(_CodecRequired, total=False):  # (not NotRequired: Python 3.10 has no typing.NotRequired)
+    """A chunk's ``codec`` member on disk."""
+
+    configuration: Mapping[str, object]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Codec:
     name: str = RAW
     configuration: Mapping[str, object] | None = None
 
-    def to_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"name": self.name}
+    def to_dict(self) -> CodecDict:
+        out: CodecDict = {"name": self.name}
         if self.configuration is not None:
             out["configuration"] = dict(self.configuration)
         return out
 
+    @classmethod
+    def from_dict(cls, doc: CodecDict) -> Codec:
+        if doc["name"] == RAW and "configuration" not in doc:
+            return RAW_CODEC
+        return cls(name=doc["name"], configuration=doc.get("configuration"))
+
 
 RAW_CODEC = Codec()
+
+
+class _ChunkRequired(TypedDict):
+    path: str  # in the base, for a referenced chunk
+    key: str
+    offsets: list[int]
+    shape: list[int]
+    range: list[int]  # [begin, end]
+    digest: str
+    codec: CodecDict
+
+
+class ChunkDict(_ChunkRequired, total=False):
+    """A chunk record on disk (spec/tensors.md): the one definition of its members. :class:`ChunkRecord`
+    writes and reads it, the parser derives the members it knows from it, and a rank's result carries it."""
+
+    blocks: BlocksDict  # format 1.2 (spec/blocks.md)
+    base: str  # a referenced chunk (spec/references.md)
+
+
+CHUNK_MEMBERS: frozenset[str] = ChunkDict.__required_keys__
+CHUNK_OPTIONAL_MEMBERS: frozenset[str] = ChunkDict.__optional_keys__
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,8 +118,8 @@ class ChunkRecord:
         """The path as the manifest writes it: in the base, for a referenced chunk."""
         return self.path if self.base is None else self.path[len(self.base) + 1 :]
 
-    def to_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {
+    def to_dict(self) -> ChunkDict:
+        out: ChunkDict = {
             "path": self.stored_path,
             "key": self.key,
             "offsets": list(self.offsets),
@@ -95,6 +133,26 @@ class ChunkRecord:
         if self.base is not None:
             out["base"] = self.base
         return out
+
+    @classmethod
+    def from_dict(cls, doc: ChunkDict) -> ChunkRecord:
+        """The record of a chunk whose members are known to be well-formed: checked by the parser (which
+        refuses the rest), or written by this library (a rank's result). The inverse of :meth:`to_dict`."""
+        base = doc.get("base")
+        begin, end = doc["range"]
+        blocks = doc.get("blocks")
+        return cls(
+            path=doc["path"] if base is None else virtual_path(base, doc["path"]),
+            key=doc["key"],
+            offsets=tuple(doc["offsets"]),
+            shape=tuple(doc["shape"]),
+            begin=begin,
+            end=end,
+            digest=doc["digest"],
+            codec=Codec.from_dict(doc["codec"]),
+            blocks=None if blocks is None else Blocks.from_dict(blocks),
+            base=base,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,6 +28,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .manifest import (
+    CHUNK_MEMBERS,
     FORMAT_MAJOR,
     FORMAT_NAME,
     MAX_MANIFEST_BYTES,
@@ -147,7 +148,9 @@ _FILE = frozenset({"path", "size", "digest"})
 _FIELD = frozenset({"kind", "tensors", "context"})
 _REF = frozenset({"path"})
 _TENSOR = frozenset({"dtype", "shape", "chunks"})
-_CHUNK = frozenset({"path", "key", "offsets", "shape", "range", "digest", "codec", "blocks"})
+# A chunk's "base" is taken off before its other members are checked (_parse_ref_chunk); in a manifest without
+# the references extension it is a member like any unknown one.
+_CHUNK = CHUNK_MEMBERS | {"blocks"}
 _CODEC = frozenset({"name", "configuration"})
 _EXTENSION = frozenset({"name", "must_understand", "configuration"})
 
@@ -243,7 +246,7 @@ def _parse_files(value: object) -> tuple[FileRecord, ...]:
 
 
 _DIGEST = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")
-_RAW_DICT = {"name": RAW}
+_RAW_DICT = RAW_CODEC.to_dict()
 
 
 _JUST_INT = {int}
@@ -287,7 +290,7 @@ def _parse_chunk(
         digest, codec = raw["digest"], raw["codec"]
         blocks = raw.get("blocks")
         if (
-            len(raw) == (7 if blocks is None else 8)
+            len(raw) == len(CHUNK_MEMBERS) + (blocks is not None)
             and type(key) is str
             and key
             and type(begin) is int
@@ -310,17 +313,7 @@ def _parse_chunk(
                     and block_problem(blocks, nbytes=end - begin, algorithm=digest.partition(":")[0]) is None
                 )
             ):
-                return ChunkRecord(
-                    path=path,
-                    key=key,
-                    offsets=tuple(offsets),
-                    shape=tuple(shape),
-                    begin=begin,
-                    end=end,
-                    digest=digest,
-                    codec=RAW_CODEC,
-                    blocks=None if blocks is None else Blocks(size=blocks["size"], digests=blocks["digests"]),
-                )
+                return ChunkRecord.from_dict(raw)
     except (KeyError, TypeError, ValueError):
         pass
     return _parse_chunk_slow(raw, sizes, dtype_size, rank, where)
@@ -393,7 +386,7 @@ def _blocks(value: object, codec: Codec, nbytes: int, digest: str, **where: Any)
         raise _fail(found[0], requirement=found[1], **where)
     assert isinstance(value, dict)
     _extras(value, frozenset({"size", "digests"}), 8, **where)
-    return Blocks(size=value["size"], digests=value["digests"])
+    return Blocks.from_dict(value)  # type: ignore[arg-type]  # checked by block_problem
 
 
 def _parse_tensor(
