@@ -12,7 +12,7 @@ import zstandard
 
 import ckptfmt
 from ckptfmt.codecs import WriteCodec, get_codec
-from ckptfmt.codecs.zstd import FRAME_BYTES, group_bytes, ungroup_bytes
+from ckptfmt.codecs.zstd import FRAME_BYTES, ZstdOptions, group_bytes, ungroup_bytes
 from ckptfmt.errors import DigestMismatchError, IntegrityError, ManifestError, UnsupportedCodecError, UsageError
 from ckptfmt.manifest import Codec
 from ckptfmt.storage import open_store
@@ -89,7 +89,7 @@ def test_raw_save_is_version_1_0(tmp_path: Path) -> None:
 
 
 def test_write_codec_parse() -> None:
-    assert WriteCodec.parse("zstd:3") == WriteCodec(name="zstd", level=3)
+    assert WriteCodec.parse("zstd:3") == WriteCodec(name="zstd", options=ZstdOptions(level=3))
     assert WriteCodec.parse(None).name == "raw"
     with pytest.raises(UsageError):
         WriteCodec.parse("lz4")
