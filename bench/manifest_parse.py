@@ -17,7 +17,7 @@ import statistics
 import time
 
 from ckptfmt.canonical import manifest_bytes
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 
 
 def build(tensors: int, ranks: int, layout: str = "rows") -> bytes:

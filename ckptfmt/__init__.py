@@ -60,8 +60,8 @@ from .manifest import (
     FileRecord,
     Manifest,
     TensorRecord,
-    parse_manifest,
 )
+from .manifest_parse import parse_manifest
 from .profiles import PROFILES
 from .reader import Checkpoint, open_checkpoint, verify_url
 from .storage import open_store

@@ -10,7 +10,8 @@ checkpoint's own files, against the referencing manifest's records.
 from __future__ import annotations
 
 from .errors import BaseCheckpointError, CheckpointError
-from .manifest import Manifest, checkpoint_id, parse_manifest
+from .manifest import Manifest, checkpoint_id
+from .manifest_parse import parse_manifest
 from .references import BaseRecord
 from .storage import Store
 

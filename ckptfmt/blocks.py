@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypedDict
 
 from .digests import format_digest, new_hasher
 
@@ -21,6 +22,13 @@ HEX_DIGITS = {"xxh3-128": 32, "sha256": 64}
 _LOWHEX = re.compile(r"[0-9a-f]*")
 
 
+class BlocksDict(TypedDict):
+    """A chunk's ``blocks`` member on disk."""
+
+    size: int
+    digests: str
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Blocks:
     """``digests`` is the hex of every block's digest, back to back, in the chunk digest's algorithm."""
@@ -28,8 +36,13 @@ class Blocks:
     size: int
     digests: str
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> BlocksDict:
         return {"size": self.size, "digests": self.digests}
+
+    @classmethod
+    def from_dict(cls, doc: BlocksDict) -> Blocks:
+        """From a ``blocks`` member already checked (:func:`problem` found none)."""
+        return cls(size=doc["size"], digests=doc["digests"])
 
     def count(self, nbytes: int) -> int:
         return -(-nbytes // self.size)

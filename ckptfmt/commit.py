@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointLockedError
 from .lock import WriterLock, read_lock
-from .manifest import Manifest, checkpoint_id, parse_manifest
+from .manifest import Manifest, checkpoint_id
+from .manifest_parse import parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME
 from .storage import Store
 

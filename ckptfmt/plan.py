@@ -14,11 +14,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import chunks as geometry
 from . import layout
-from .blocks import Blocks
 from .codecs import WriteCodec, writer_codec
 from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
 from .manifest import (
@@ -26,8 +24,8 @@ from .manifest import (
     ENCODED_VERSION,
     RAW,
     RAW_VERSION,
+    ChunkDict,
     ChunkRecord,
-    Codec,
     FieldRecord,
     FileRecord,
     Manifest,
@@ -35,7 +33,7 @@ from .manifest import (
 )
 from .paths import check_field_name, tensor_name_problem
 from .profiles import PROFILES
-from .references import BaseRecord, check_location, parse_bases, virtual_path
+from .references import BaseRecord, check_location, parse_bases
 
 Shape = tuple[int, ...]
 RAW_WRITE = WriteCodec()
@@ -146,23 +144,11 @@ class RankResult:
             raise ManifestError(f"malformed rank result: {exc!r}") from exc
 
 
-def _chunk_from_dict(doc: Mapping[str, Any]) -> ChunkRecord:
-    codec = doc["codec"]
-    base = doc.get("base")
-    return ChunkRecord(
-        path=str(doc["path"]) if base is None else virtual_path(check_location(base), str(doc["path"])),
-        base=base,
-        key=str(doc["key"]),
-        offsets=tuple(int(o) for o in doc["offsets"]),
-        shape=tuple(int(d) for d in doc["shape"]),
-        begin=int(doc["range"][0]),
-        end=int(doc["range"][1]),
-        digest=str(doc["digest"]),
-        codec=Codec(name=str(codec["name"]), configuration=codec.get("configuration")),
-        blocks=None
-        if doc.get("blocks") is None
-        else Blocks(size=int(doc["blocks"]["size"]), digests=str(doc["blocks"]["digests"])),
-    )
+def _chunk_from_dict(doc: ChunkDict) -> ChunkRecord:
+    chunk = ChunkRecord.from_dict(doc)
+    if chunk.base is not None:
+        check_location(chunk.base)  # a rank's result names its bases' locations as the manifest will (REF-3)
+    return chunk
 
 
 @dataclass(slots=True)

@@ -38,8 +38,8 @@ from .manifest import (
     Manifest,
     TensorRecord,
     checkpoint_id,
-    parse_manifest,
 )
+from .manifest_parse import parse_manifest
 from .paths import MANIFEST_NAME
 from .read_executor import ReadExecutor, check_chunk, default_workers
 from .read_plan import Target, plan_read, whole

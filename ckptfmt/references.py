@@ -108,7 +108,7 @@ def parse_bases(must_understand: bool, configuration: Mapping[str, object] | Non
 
 
 def _files(location: str, value: object) -> tuple[BaseFile, ...]:
-    from .manifest import parse_file_records  # the file records' own rules (MAN-13..16)
+    from .manifest_parse import parse_file_records  # the file records' own rules (MAN-13..16)
 
     if type(value) is not list or not value:
         raise ManifestError(f"base {location!r}: 'files' must be a non-empty array", requirement="REF-5")

@@ -31,7 +31,8 @@ from .errors import (
 from .jsonio import load_json
 from .layout import CONTEXT_NAME, DATA_SUFFIX
 from .lock import WriterLock, read_lock
-from .manifest import MAX_MANIFEST_BYTES, Manifest, checkpoint_id, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, checkpoint_id
+from .manifest_parse import parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME, is_segment
 from .references import EXTENSION as REFERENCES
 from .references import PARENT

@@ -147,18 +147,15 @@ class WriteExecutor:
                 continue
             # Header building follows encoding: an encoded entry is a U8 entry of its stored size (COD-3).
             encoded = get_codec(e.codec.name).encode(
-                view,
-                dtype=e.dtype,
-                itemsize=dtypes.itemsize(e.dtype),
-                level=e.codec.level,
-                frame_bytes=e.codec.frame_bytes,
+                view, dtype=e.dtype, itemsize=dtypes.itemsize(e.dtype), options=e.codec.options
             )
             raw_digest = digest_of(self.algorithm, view)
             with self._lock:
                 self.raw_digests[(e.field, e.tensor, e.offsets)] = raw_digest
             stored = encoded.parts[0] if len(encoded.parts) == 1 else b"".join(encoded.parts)
             views.append(memoryview(stored))
-            codecs.append(Codec(name=e.codec.name, configuration=encoded.configuration))
+            config = encoded.configuration
+            codecs.append(Codec(name=e.codec.name, configuration=None if config is None else config.to_dict()))
             header_entries.append((e.key, "U8", (len(stored),), len(stored)))
         header, starts = build_header(header_entries)
         block = self.block_bytes

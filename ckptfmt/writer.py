@@ -53,7 +53,8 @@ from .errors import (
 )
 from .fields import check_standard_field
 from .incremental import BaseIndex, ChunkKey, RawDigests, ReferenceStats, merge_bases
-from .manifest import RAW, FileRecord, parse_manifest
+from .manifest import RAW, FileRecord
+from .manifest_parse import parse_manifest
 from .paths import check_field_name
 from .plan import FilePlan, PlacedChunk, RankPlanner, RankResult, merge_results
 from .profiles import PROFILES

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zstandard
 
 import ckptfmt
-from ckptfmt.codecs import Encoded, WriteCodec, get_codec, register
-from ckptfmt.codecs.zstd import ZstdCodec
+from ckptfmt.codecs import CodecOptions, Encoded, WriteCodec, get_codec, register
+from ckptfmt.codecs.zstd import ZstdCodec, ZstdOptions
 from ckptfmt.storage import open_store
 from ckptfmt.writer import CheckpointWriter
 
@@ -56,10 +57,8 @@ class _Tampering(ZstdCodec):
         self.tamper = tamper
         self.tensor_bytes = tensor_bytes
 
-    def encode(
-        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
-    ) -> Encoded:
-        encoded = super().encode(data, dtype=dtype, itemsize=itemsize, level=level, frame_bytes=frame_bytes)
+    def encode(self, data: memoryview, *, dtype: str, itemsize: int, options: CodecOptions | None = None) -> Encoded:
+        encoded = super().encode(data, dtype=dtype, itemsize=itemsize, options=options)
         return self.tamper(encoded) if len(data) == self.tensor_bytes else encoded
 
 
@@ -85,7 +84,7 @@ def to_zstd(t: Tree, *, tamper: Tamper | None = None, target_bytes: int = 10240,
         with CheckpointWriter(
             open_store(str(staging)),
             profile=src.profile,
-            codec=WriteCodec(name="zstd", level=3, frame_bytes=FRAME_BYTES),
+            codec=WriteCodec(name="zstd", options=ZstdOptions(level=3, frame_bytes=FRAME_BYTES)),
             metadata=src.manifest.metadata,
             digest=src.manifest.files[0].digest.partition(":")[0],
         ) as writer:
@@ -112,8 +111,28 @@ def _tampered(tamper: Tamper) -> Mutation:
     return lambda t: to_zstd(t, tamper=tamper)
 
 
+@dataclass(frozen=True)
+class _Members:
+    """A configuration as a tampering encoder records it: any JSON object, whether the codec's type allows it
+    or not (a 'sign_last' of 1, an unknown member)."""
+
+    members: dict[str, object]
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.members)
+
+
+def _members(encoded: Encoded) -> dict[str, object]:
+    return {} if encoded.configuration is None else encoded.configuration.to_dict()
+
+
+def _configured(encoded: Encoded, **members: object) -> Encoded:
+    """``encoded`` with these members of its configuration replaced or added."""
+    return Encoded(parts=encoded.parts, configuration=_Members({**_members(encoded), **members}))
+
+
 def _sizes(encoded: Encoded) -> list[int]:
-    return [int(n) for n in (encoded.configuration or {})["frames"]]  # type: ignore[attr-defined]
+    return [int(n) for n in _members(encoded)["frames"]]  # type: ignore[attr-defined]
 
 
 def _frames(encoded: Encoded) -> list[bytes]:
@@ -127,8 +146,8 @@ def _frames(encoded: Encoded) -> list[bytes]:
 
 
 def _with(encoded: Encoded, parts: list[bytes], **config: object) -> Encoded:
-    configuration = {**dict(encoded.configuration or {}), "frames": [len(p) for p in parts], **config}
-    return Encoded(parts=(b"".join(parts),), configuration=configuration)
+    configuration = {**_members(encoded), "frames": [len(p) for p in parts], **config}
+    return Encoded(parts=(b"".join(parts),), configuration=_Members(configuration))
 
 
 def frame_past_size(encoded: Encoded) -> Encoded:
@@ -162,10 +181,7 @@ def frame_checksum_wrong(encoded: Encoded) -> Encoded:
 def frames_miscounted(encoded: Encoded) -> Encoded:
     """The frame sizes add up, but there is one entry too many: the last frame's size split in two."""
     sizes = _sizes(encoded)
-    return Encoded(
-        parts=encoded.parts,
-        configuration={**dict(encoded.configuration or {}), "frames": [*sizes[:-1], sizes[-1] - 1, 1]},
-    )
+    return _configured(encoded, frames=[*sizes[:-1], sizes[-1] - 1, 1])
 
 
 def frames_shifted(encoded: Encoded) -> Encoded:
@@ -173,26 +189,26 @@ def frames_shifted(encoded: Encoded) -> Encoded:
     sizes = _sizes(encoded)
     sizes[0] += 1
     sizes[1] -= 1
-    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "frames": sizes})
+    return _configured(encoded, frames=sizes)
 
 
 def frames_overrun(encoded: Encoded) -> Encoded:
     sizes = _sizes(encoded)
     sizes[-1] += 1
-    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "frames": sizes})
+    return _configured(encoded, frames=sizes)
 
 
 def frame_bytes_not_multiple(encoded: Encoded) -> Encoded:
-    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "frame_bytes": 4095})
+    return _configured(encoded, frame_bytes=4095)
 
 
 def sign_last_not_boolean(encoded: Encoded) -> Encoded:
-    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "sign_last": 1})
+    return _configured(encoded, sign_last=1)
 
 
 def unknown_member(encoded: Encoded) -> Encoded:
     """A filter this reader cannot know: decoding without it would give wrong values that pass every checksum."""
-    return Encoded(parts=encoded.parts, configuration={**dict(encoded.configuration or {}), "delta": True})
+    return _configured(encoded, delta=True)
 
 
 def _chunk(doc: Json, name: str) -> Json:

@@ -59,7 +59,7 @@ REDUNDANT: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Site:
-    module: str  # "ckptfmt.manifest"
+    module: str  # "ckptfmt.manifest_parse"
     line: int
 
 

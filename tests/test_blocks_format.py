@@ -23,7 +23,7 @@ import ckptfmt
 from ckptfmt.blocks import DEFAULT_BLOCK_BYTES
 from ckptfmt.canonical import manifest_bytes
 from ckptfmt.errors import ManifestError, UsageError
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 
 Json = dict[str, Any]
 B = 4096

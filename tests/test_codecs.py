@@ -12,7 +12,7 @@ import zstandard
 
 import ckptfmt
 from ckptfmt.codecs import WriteCodec, get_codec
-from ckptfmt.codecs.zstd import FRAME_BYTES, group_bytes, ungroup_bytes
+from ckptfmt.codecs.zstd import FRAME_BYTES, ZstdConfiguration, ZstdOptions, group_bytes, ungroup_bytes
 from ckptfmt.errors import DigestMismatchError, IntegrityError, ManifestError, UnsupportedCodecError, UsageError
 from ckptfmt.manifest import Codec
 from ckptfmt.storage import open_store
@@ -89,12 +89,32 @@ def test_raw_save_is_version_1_0(tmp_path: Path) -> None:
 
 
 def test_write_codec_parse() -> None:
-    assert WriteCodec.parse("zstd:3") == WriteCodec(name="zstd", level=3)
+    assert WriteCodec.parse("zstd:3") == WriteCodec(name="zstd", options=ZstdOptions(level=3))
     assert WriteCodec.parse(None).name == "raw"
     with pytest.raises(UsageError):
         WriteCodec.parse("lz4")
     with pytest.raises(UsageError):
         WriteCodec.parse("zstd:x")
+    with pytest.raises(UsageError, match="takes no options"):  # (before the codecs' own options: accepted, ignored)
+        WriteCodec.parse("raw:3")
+
+
+def test_zstd_configuration_round_trip_and_refusals() -> None:
+    config = ZstdConfiguration(frame_bytes=4096, frames=(100, 50), bytegroup=True, sign_last=True, level=3)
+    assert config.to_dict() == {
+        "bytegroup": True,
+        "frame_bytes": 4096,
+        "frames": [100, 50],
+        "sign_last": True,
+        "level": 3,
+    }
+    assert ZstdConfiguration.from_dict(config.to_dict()) == config
+    good = config.to_dict()
+    for member, value in (("frame_bytes", 0), ("frames", [0]), ("bytegroup", 1), ("sign_last", "yes"), ("delta", 1)):
+        with pytest.raises(ManifestError, match=member) as info:
+            ZstdConfiguration.from_dict({**good, member: value})
+        assert info.value.requirement == "COD-4"
+    assert ZstdConfiguration.from_dict({**good, "level": "x"}).level is None  # informative: never refused
 
 
 def _rewrite_manifest(path: Path, edit: object) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.reader import Checkpoint
 from ckptfmt.storage.overlay import OverlayStore
 from ckptfmt.storage.slot import SlotStore

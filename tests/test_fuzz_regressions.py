@@ -104,7 +104,7 @@ def _set_dtype(value: object) -> Callable[[dict[str, object]], object]:
 
 
 # Found as RecursionError and ValueError (json.loads) and TypeError (a list where a hashable path or dtype goes)
-# escaping ckptfmt/manifest.py parse_manifest and _parse_field; fixed by the parser engineer while this landed.
+# escaping ckptfmt/manifest_parse.py parse_manifest and _parse_field; fixed by the parser engineer while this landed.
 @pytest.mark.parametrize(
     "make",
     [

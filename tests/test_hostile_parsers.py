@@ -16,7 +16,7 @@ import ckptfmt
 from ckptfmt.canonical import manifest_bytes
 from ckptfmt.context import decode
 from ckptfmt.errors import CheckpointError, ContextError, ManifestError, SafetensorsHeaderError
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.safetensors_io import parse_header
 
 sys.path.insert(0, str(Path(__file__).parent))

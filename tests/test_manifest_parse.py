@@ -11,7 +11,7 @@ import pytest
 
 import ckptfmt
 from ckptfmt.canonical import manifest_bytes
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 
 
 @pytest.fixture(scope="module")

@@ -41,12 +41,12 @@ def subset(tmp_path: Path, *names: str) -> Path:
 
 def test_a_mutant_disables_only_its_own_requirement() -> None:
     sources = mutated_sources("TEN-7")
-    assert set(sources) >= {"ckptfmt.manifest"}
-    tree = ast.parse(sources["ckptfmt.manifest"])  # still Python
+    assert set(sources) >= {"ckptfmt.manifest_parse"}
+    tree = ast.parse(sources["ckptfmt.manifest_parse"])  # still Python
     text = ast.unparse(tree)
     assert "requirement='TEN-7'" not in text  # its literal refusal is gone ...
     assert "requirement='TEN-15'" in text  # ... the others stay
-    computed = mutated_sources("TEN-17")["ckptfmt.manifest"]
+    computed = mutated_sources("TEN-17")["ckptfmt.manifest_parse"]
     assert "!= 'TEN-17':" in computed  # a computed ID: only that ID's refusal skipped
 
 

@@ -34,7 +34,7 @@ from ckptfmt.errors import (
     UnsupportedExtensionError,
     UnsupportedVersionError,
 )
-from ckptfmt.manifest import parse_manifest
+from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.profiles import PROFILES
 
 Raw = Any  # the conftest ``raw`` helper bundle

@@ -17,7 +17,8 @@ import pytest
 import ckptfmt
 from ckptfmt.collective import ThreadCollective
 from ckptfmt.errors import CheckpointError, CollectiveError, DigestMismatchError, ManifestError
-from ckptfmt.manifest import checkpoint_id, parse_manifest
+from ckptfmt.manifest import checkpoint_id
+from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.storage.slot import SlotStore
 from ckptfmt.tier.agreed import AgreedRestore
 from ckptfmt.tier.binding import SlotBinding, normalize_run_url, run_identity

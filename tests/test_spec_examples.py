@@ -17,7 +17,8 @@ import pytest
 
 from ckptfmt.canonical import manifest_bytes
 from ckptfmt.errors import ManifestError
-from ckptfmt.manifest import checkpoint_id, parse_manifest
+from ckptfmt.manifest import checkpoint_id
+from ckptfmt.manifest_parse import parse_manifest
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 SCHEMA = json.loads((SPEC / "schema" / "manifest.schema.json").read_text())

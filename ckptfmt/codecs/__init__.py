@@ -4,15 +4,19 @@ A codec is a named, configured object, recorded on disk as ``{"name": ..., "conf
 in each chunk record. The registry maps a name to the implementation; a name it does not hold is
 refused for the one tensor that uses it (TEN-14), never for the whole checkpoint.
 
-Call sequence: the writer's planner picks a :class:`ChunkCodec` per entry (:func:`writer_codec`),
-the executor calls :meth:`ChunkCodec.encode` in the write pass, and the reader asks
-:meth:`ChunkCodec.plan_frames` which stored bytes a raw byte range needs, then
-:meth:`ChunkCodec.decode_into` to fill the destination.
+Each codec types what it knows: its configuration (what a chunk record holds, a frozen dataclass with
+``to_dict``/``from_dict`` that names the member at fault) and its write options (what a writer was asked
+for, :class:`CodecOptions`). This module knows neither: it is the interface and the registry only.
+
+Call sequence: the writer parses ``"NAME[:ARGUMENT]"`` into a :class:`WriteCodec` (the codec's
+:meth:`ChunkCodec.parse_options`), its planner picks the codec per entry (:func:`writer_codec`, which asks
+:meth:`ChunkCodec.worth_encoding`), the executor calls :meth:`ChunkCodec.encode` in the write pass and records
+``Encoded.configuration.to_dict()``, and the reader asks :meth:`ChunkCodec.plan_frames` which stored bytes a
+raw byte range needs, then :meth:`ChunkCodec.decode_into` to fill the destination.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,12 +24,23 @@ from ..errors import UnsupportedCodecError, UsageError
 from ..manifest import RAW, Codec
 
 
+class CodecConfiguration(Protocol):
+    """A codec's configuration, typed by the codec; ``to_dict`` is the chunk's ``codec.configuration``."""
+
+    def to_dict(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecOptions:
+    """A codec's write options; each codec that takes any subclasses this (the raw codec takes none)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Encoded:
     """A chunk as stored: its bytes in parts (written back to back) and the configuration to record."""
 
     parts: tuple[bytes | bytearray | memoryview, ...]
-    configuration: Mapping[str, object] | None
+    configuration: CodecConfiguration | None
 
     @property
     def nbytes(self) -> int:
@@ -48,11 +63,17 @@ class ChunkCodec(Protocol):
 
     name: str
 
-    def encode(
-        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
-    ) -> Encoded:
-        """The stored form of a chunk's raw little-endian C-order bytes (``frame_bytes``: the codec's default
-        when None)."""
+    def parse_options(self, argument: str) -> CodecOptions:
+        """The options a writer asks for as ``"NAME:ARGUMENT"``; :class:`~ckptfmt.errors.UsageError` for a bad one."""
+        ...
+
+    def worth_encoding(self, *, dtype: str, nbytes: int) -> bool:
+        """Whether a chunk of ``nbytes`` raw bytes of ``dtype`` is encoded at all, or stays raw."""
+        ...
+
+    def encode(self, data: memoryview, *, dtype: str, itemsize: int, options: CodecOptions | None = None) -> Encoded:
+        """The stored form of a chunk's raw little-endian C-order bytes (``options``: the codec's defaults when
+        None)."""
         ...
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:
@@ -101,8 +122,7 @@ class WriteCodec:
     """What a writer was asked to encode with: a codec name and its options (``"zstd"``, ``"zstd:3"``)."""
 
     name: str = RAW
-    level: int = 0  # 0: the codec's default (zstd: entropy coding of the byte planes, no match search)
-    frame_bytes: int | None = None  # raw bytes per frame; None: the codec's default
+    options: CodecOptions | None = None  # the codec's own (zstd: ZstdOptions); None: its defaults
 
     @classmethod
     def parse(cls, value: str | WriteCodec | None) -> WriteCodec:
@@ -110,22 +130,18 @@ class WriteCodec:
             return cls()
         if isinstance(value, WriteCodec):
             return value
-        name, _, level = str(value).partition(":")
+        name, _, argument = str(value).partition(":")
         if name not in _REGISTRY:
             raise UsageError(f"unknown codec {name!r}; known: {', '.join(known_codecs())}")
-        if not level:
+        if not argument:
             return cls(name=name)
-        if not level.isdigit() or not 1 <= int(level) <= 19:
-            raise UsageError(f"codec level must be an integer in 1..19, got {level!r}")
-        return cls(name=name, level=int(level))
+        return cls(name=name, options=_REGISTRY[name].parse_options(argument))
 
 
 def writer_codec(choice: WriteCodec, *, dtype: str, nbytes: int) -> WriteCodec:
-    """The codec one entry is written with: compression is skipped where it cannot pay (empty, tiny,
-    boolean or integer chunks stay raw), so such tensors stay readable by 1.0 readers."""
-    from .zstd import MIN_COMPRESS_BYTES, compressible
-
-    if choice.name == RAW or nbytes < MIN_COMPRESS_BYTES or not compressible(dtype):
+    """The codec one entry is written with: the codec skips chunks where encoding cannot pay (zstd: empty,
+    tiny, boolean or integer chunks stay raw), so such tensors stay readable by 1.0 readers."""
+    if choice.name == RAW or not get_codec(choice.name).worth_encoding(dtype=dtype, nbytes=nbytes):
         return WriteCodec()
     return choice
 
@@ -138,6 +154,8 @@ register(_zstd.ZstdCodec())
 
 __all__ = [
     "ChunkCodec",
+    "CodecConfiguration",
+    "CodecOptions",
     "Encoded",
     "FrameSpan",
     "WriteCodec",

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from ..manifest import RAW, Codec
-from . import Encoded, FrameSpan
+from . import CodecOptions, Encoded, FrameSpan
 
 
 class RawCodec:
+    """It has no configuration (a raw chunk's ``codec`` is ``{"name": "raw"}``) and takes no options."""
+
     name = RAW
 
-    def encode(
-        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
-    ) -> Encoded:
+    def parse_options(self, argument: str) -> CodecOptions:
+        raise UsageError(f"codec {RAW!r} takes no options, got {argument!r}")
+
+    def worth_encoding(self, *, dtype: str, nbytes: int) -> bool:
+        return False  # its stored bytes are the raw ones: there is nothing to encode
+
+    def encode(self, data: memoryview, *, dtype: str, itemsize: int, options: CodecOptions | None = None) -> Encoded:
         return Encoded(parts=(data,), configuration=None)
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:

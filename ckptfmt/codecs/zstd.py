@@ -10,22 +10,24 @@ Each frame is one zstd frame with its content size and checksum, so a reader dec
 frames a slice touches, fetches only their stored bytes, and never lets a frame produce more than
 the manifest says it holds.
 
-Configuration: ``{"frame_bytes": F, "frames": [stored size of each frame], "bytegroup": bool,
-"sign_last": bool, "level": L}`` (``level``, informative, only when the writer was asked for a zstd level).
+Configuration (:class:`ZstdConfiguration`): ``{"frame_bytes": F, "frames": [stored size of each frame],
+"bytegroup": bool, "sign_last": bool, "level": L}`` (``level``, informative, only when the writer was asked for
+a zstd level). Write options (:class:`ZstdOptions`): ``"zstd:LEVEL"``, and the frame size.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zstandard
 
-from ..errors import IntegrityError, ManifestError
+from ..errors import IntegrityError, ManifestError, UsageError
 from ..manifest import Codec
-from . import Encoded, FrameSpan
+from . import CodecOptions, Encoded, FrameSpan
 
 NAME = "zstd"
 FRAME_BYTES = 4 << 20  # raw bytes per frame: the granularity of random access
@@ -37,8 +39,98 @@ MAX_FRAMES = 1 << 24
 MAX_EXPANSION = (128 << 10) // 4
 _FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 _COMPRESSIBLE = _FLOATING | {"I64", "I32", "I16", "U64", "U32", "U16"}
-_CONFIG_MEMBERS = frozenset({"frame_bytes", "frames", "bytegroup", "sign_last", "level"})
 _local = threading.local()  # a zstd context per thread: contexts are not thread-safe
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZstdOptions(CodecOptions):
+    """What a writer asks of the zstd codec."""
+
+    level: int = 0  # 0: entropy coding of the byte planes, no match search (:func:`_compressor`); else 1..19
+    frame_bytes: int | None = None  # raw bytes per frame; None: FRAME_BYTES (read when encoding)
+
+    @classmethod
+    def parse(cls, argument: str) -> ZstdOptions:
+        """``LEVEL`` of ``"zstd:LEVEL"``."""
+        if not argument.isdigit() or not 1 <= int(argument) <= 19:
+            raise UsageError(f"codec level must be an integer in 1..19, got {argument!r}")
+        return cls(level=int(argument))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZstdConfiguration:
+    """A zstd chunk's ``codec.configuration``. ``from_dict`` checks each member on its own (COD-4); how they
+    fit the chunk's stored and raw sizes is :meth:`check`'s."""
+
+    frame_bytes: int
+    frames: tuple[int, ...]  # the stored size of each frame
+    bytegroup: bool = False
+    sign_last: bool = False
+    level: int | None = None  # informative: what the writer was asked for; a reader ignores it
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "bytegroup": self.bytegroup,
+            "frame_bytes": self.frame_bytes,
+            "frames": list(self.frames),
+        }
+        if self.sign_last:
+            out["sign_last"] = True
+        if self.level is not None:
+            out["level"] = self.level
+        return out
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, object] | None) -> ZstdConfiguration:
+        if config is None:
+            raise ManifestError("zstd codec has no 'configuration'", requirement="COD-4")
+        frame, sizes = config.get("frame_bytes"), config.get("frames")
+        if type(frame) is not int or frame <= 0:
+            raise ManifestError(f"zstd 'frame_bytes' must be a positive integer, got {frame!r}", requirement="COD-4")
+        if type(sizes) is not list or not all(type(s) is int and s > 0 for s in sizes):
+            raise ManifestError("zstd 'frames' must be a list of positive integers", requirement="COD-4")
+        flags: dict[str, object] = {}
+        for flag in ("bytegroup", "sign_last"):
+            flags[flag] = config.get(flag, False)
+            if type(flags[flag]) is not bool:
+                raise ManifestError(f"zstd '{flag}' must be a boolean", requirement="COD-4")
+        unknown = sorted(set(config) - _MEMBERS)
+        if unknown:  # every member but 'level' changes how the bytes decode: one not understood is refused
+            raise ManifestError(
+                f"zstd configuration has members this reader does not know: {unknown}", requirement="COD-4"
+            )
+        level = config.get("level")
+        return cls(
+            frame_bytes=frame,
+            frames=tuple(sizes),
+            bytegroup=flags["bytegroup"] is True,
+            sign_last=flags["sign_last"] is True,
+            level=level if type(level) is int else None,  # informative, so never refused (spec/codecs.md)
+        )
+
+    def check(self, *, stored_size: int, raw_size: int) -> None:
+        """The frames against the chunk's stored and raw sizes (COD-4)."""
+        if raw_size > MAX_EXPANSION * stored_size:
+            raise ManifestError(
+                f"zstd chunk claims {raw_size} raw bytes from {stored_size} stored; zstd cannot expand more than "
+                f"{MAX_EXPANSION}x",
+                requirement="COD-4",
+            )
+        expected = -(-raw_size // self.frame_bytes)
+        if len(self.frames) != expected or len(self.frames) > MAX_FRAMES:
+            raise ManifestError(
+                f"zstd 'frames' lists {len(self.frames)} frames; {raw_size} raw bytes in frames of "
+                f"{self.frame_bytes} make {expected}",
+                requirement="COD-4",
+            )
+        if sum(self.frames) != stored_size:
+            raise ManifestError(
+                f"zstd 'frames' add up to {sum(self.frames)} bytes; the chunk's range holds {stored_size}",
+                requirement="COD-4",
+            )
+
+
+_MEMBERS = frozenset(ZstdConfiguration.__dataclass_fields__)
 
 
 def compressible(dtype: str) -> bool:
@@ -160,13 +252,21 @@ class ZstdCodec:
     name = NAME
     sign_last = True  # with bytegroup (floating dtypes); a subclass without it writes 1.1's older layout
 
-    def encode(
-        self, data: memoryview, *, dtype: str, itemsize: int, level: int, frame_bytes: int | None = None
-    ) -> Encoded:
+    def parse_options(self, argument: str) -> ZstdOptions:
+        return ZstdOptions.parse(argument)
+
+    def worth_encoding(self, *, dtype: str, nbytes: int) -> bool:
+        return nbytes >= MIN_COMPRESS_BYTES and compressible(dtype)
+
+    def encode(self, data: memoryview, *, dtype: str, itemsize: int, options: CodecOptions | None = None) -> Encoded:
+        if options is None:
+            options = ZstdOptions()
+        if not isinstance(options, ZstdOptions):
+            raise UsageError(f"the zstd codec takes ZstdOptions, got {type(options).__name__}")
         group = dtype in _FLOATING and itemsize > 1
-        frame = frame_bytes or FRAME_BYTES
+        frame = options.frame_bytes or FRAME_BYTES
         frame = max(itemsize, frame - frame % itemsize)
-        cctx = _compressor(level)
+        cctx = _compressor(options.level)
         stored = bytearray()  # frames appended in place: no list of frames joined later (one copy less)
         sizes: list[int] = []
         for lo in range(0, len(data), frame):
@@ -178,15 +278,19 @@ class ZstdCodec:
             else:
                 stored += cctx.compress(piece)
             sizes.append(len(stored) - before)
-        config: dict[str, object] = {"bytegroup": group, "frame_bytes": frame, "frames": sizes}
-        if group and self.sign_last:
-            config["sign_last"] = True
-        if level:
-            config["level"] = level
+        config = ZstdConfiguration(
+            frame_bytes=frame,
+            frames=tuple(sizes),
+            bytegroup=group,
+            sign_last=group and self.sign_last,
+            level=options.level or None,
+        )
         return Encoded(parts=(stored,), configuration=config)
 
     def plan_frames(self, codec: Codec, *, stored_size: int, raw_size: int, raw_begin: int, raw_end: int) -> FrameSpan:
-        frame, sizes = _frames(codec, stored_size=stored_size, raw_size=raw_size)
+        config = ZstdConfiguration.from_dict(codec.configuration)
+        config.check(stored_size=stored_size, raw_size=raw_size)
+        frame, sizes = config.frame_bytes, config.frames
         if raw_begin >= raw_end:
             return FrameSpan(stored_begin=0, stored_end=0, raw_begin=raw_begin, raw_end=raw_begin)
         first, last = raw_begin // frame, (raw_end - 1) // frame
@@ -200,11 +304,10 @@ class ZstdCodec:
         )
 
     def decode_into(self, codec: Codec, stored: memoryview, span: FrameSpan, out: memoryview, *, itemsize: int) -> None:
-        config = codec.configuration or {}
-        frame = int(config["frame_bytes"])  # type: ignore[call-overload]  # checked by plan_frames
-        sizes: Sequence[int] = config["frames"]  # type: ignore[assignment]
-        group = config.get("bytegroup") is True and itemsize > 1
-        sign_last = config.get("sign_last") is True
+        config = ZstdConfiguration.from_dict(codec.configuration)
+        frame, sizes = config.frame_bytes, config.frames
+        group = config.bytegroup and itemsize > 1
+        sign_last = config.sign_last
         if (group or sign_last) and frame % itemsize:
             raise ManifestError(
                 f"zstd 'frame_bytes' {frame} is not a multiple of the itemsize {itemsize}", requirement="COD-4"
@@ -257,39 +360,13 @@ def _decode_frame(data: memoryview, want: int, index: int) -> bytes:
     return decoded
 
 
-def _frames(codec: Codec, *, stored_size: int, raw_size: int) -> tuple[int, list[int]]:
-    """``frame_bytes`` and the frame sizes, checked against the chunk's stored and raw sizes (COD-4)."""
-    config = codec.configuration
-    if config is None:
-        raise ManifestError("zstd codec has no 'configuration'", requirement="COD-4")
-    frame, sizes = config.get("frame_bytes"), config.get("frames")
-    if type(frame) is not int or frame <= 0:
-        raise ManifestError(f"zstd 'frame_bytes' must be a positive integer, got {frame!r}", requirement="COD-4")
-    if type(sizes) is not list or not all(type(s) is int and s > 0 for s in sizes):
-        raise ManifestError("zstd 'frames' must be a list of positive integers", requirement="COD-4")
-    for flag in ("bytegroup", "sign_last"):
-        if type(config.get(flag, False)) is not bool:
-            raise ManifestError(f"zstd '{flag}' must be a boolean", requirement="COD-4")
-    unknown = sorted(set(config) - _CONFIG_MEMBERS)
-    if unknown:  # every member but 'level' changes how the bytes decode: one not understood is refused
-        raise ManifestError(f"zstd configuration has members this reader does not know: {unknown}", requirement="COD-4")
-    if raw_size > MAX_EXPANSION * stored_size:
-        raise ManifestError(
-            f"zstd chunk claims {raw_size} raw bytes from {stored_size} stored; zstd cannot expand more than "
-            f"{MAX_EXPANSION}x",
-            requirement="COD-4",
-        )
-    expected = -(-raw_size // frame)
-    if len(sizes) != expected or len(sizes) > MAX_FRAMES:
-        raise ManifestError(
-            f"zstd 'frames' lists {len(sizes)} frames; {raw_size} raw bytes in frames of {frame} make {expected}",
-            requirement="COD-4",
-        )
-    if sum(sizes) != stored_size:
-        raise ManifestError(
-            f"zstd 'frames' add up to {sum(sizes)} bytes; the chunk's range holds {stored_size}", requirement="COD-4"
-        )
-    return frame, sizes
-
-
-__all__ = ["FRAME_BYTES", "MIN_COMPRESS_BYTES", "ZstdCodec", "compressible", "group_bytes", "ungroup_bytes"]
+__all__ = [
+    "FRAME_BYTES",
+    "MIN_COMPRESS_BYTES",
+    "ZstdCodec",
+    "ZstdConfiguration",
+    "ZstdOptions",
+    "compressible",
+    "group_bytes",
+    "ungroup_bytes",
+]

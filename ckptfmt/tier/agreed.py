@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..collective import Collective, PeerChannel, decode_status, encode_status
 from ..errors import CheckpointError, CollectiveError
-from ..manifest import parse_manifest
+from ..manifest_parse import parse_manifest
 from ..storage.base import Store
 from ..storage.overlay import OverlayStore
 from ..storage.slot import SlotStore

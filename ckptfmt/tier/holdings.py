@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import CheckpointError
-from ..manifest import Manifest, checkpoint_id, parse_manifest
+from ..manifest import Manifest, checkpoint_id
+from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore

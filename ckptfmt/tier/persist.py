@@ -34,7 +34,8 @@ from ..errors import (
     UnsafePathError,
     UsageError,
 )
-from ..manifest import Manifest, checkpoint_id, parse_manifest
+from ..manifest import Manifest, checkpoint_id
+from ..manifest_parse import parse_manifest
 from ..paths import MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..run import RunDirectory, checkpoint_name

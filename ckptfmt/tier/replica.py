@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from ..collective import PeerChannel
 from ..errors import CheckpointError, CollectiveError, UnsafePathError
 from ..jsonio import load_json
-from ..manifest import FileRecord, checkpoint_id, parse_manifest
+from ..manifest import FileRecord, checkpoint_id
+from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..storage.slot import SlotStore
 from .holdings import PEER_PREFIX

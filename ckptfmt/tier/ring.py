@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import CheckpointError, CheckpointNotFoundError, MemoryCapacityError, UnsafePathError, UsageError
-from ..manifest import checkpoint_id, parse_manifest
+from ..manifest import checkpoint_id
+from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore

@@ -26,7 +26,8 @@ from ..collective import PeerChannel
 from ..digests import algorithm_of, format_digest, new_hasher
 from ..errors import CheckpointError, CollectiveError, DigestMismatchError
 from ..jsonio import load_json
-from ..manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, checkpoint_id, parse_manifest
+from ..manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, checkpoint_id
+from ..manifest_parse import parse_manifest
 from ..paths import MANIFEST_NAME, check_path
 from ..storage import Store
 

@@ -45,7 +45,7 @@ from .. import provenance as prov
 from ..collective import Collective, PeerChannel
 from ..errors import CheckpointError, UsageError
 from ..incremental import RawDigests
-from ..manifest import parse_manifest
+from ..manifest_parse import parse_manifest
 from ..reader import Checkpoint, open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store

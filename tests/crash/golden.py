@@ -24,6 +24,7 @@ import numpy as np
 
 import ckptfmt
 from ckptfmt.codecs import WriteCodec
+from ckptfmt.codecs.zstd import ZstdOptions
 
 GOLDEN = Path(__file__).resolve().parents[2] / "conformance" / "golden"
 PROVENANCE = {
@@ -124,7 +125,9 @@ def _weights(url: str) -> None:
 def _encoded(url: str) -> None:
     """Version 1.1: zstd chunks of several frames (byte-shuffled floats) beside a raw integer tensor."""
     rng = np.random.default_rng(11)
-    with ckptfmt.open_writer(url, profile="weights", codec=WriteCodec(name="zstd", frame_bytes=4096)) as w:
+    with ckptfmt.open_writer(
+        url, profile="weights", codec=WriteCodec(name="zstd", options=ZstdOptions(frame_bytes=4096))
+    ) as w:
         w.write_tensor("weights", "big", rng.standard_normal((64, 48)).astype(np.float32))
         w.write_tensor("weights", "half", rng.standard_normal((40, 33)).astype(ml_dtypes.bfloat16))
         w.write_tensor("weights", "ints", np.arange(3000, dtype=np.int64).reshape(100, 30))

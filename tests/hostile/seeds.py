@@ -152,9 +152,10 @@ def _run_dir(path: Path) -> None:
 
 def _zstd(url: str) -> None:
     from ckptfmt.codecs import WriteCodec
+    from ckptfmt.codecs.zstd import ZstdOptions
 
     rng = np.random.default_rng(1)
-    codec = WriteCodec(name="zstd", frame_bytes=ZSTD_FRAME_BYTES)
+    codec = WriteCodec(name="zstd", options=ZstdOptions(frame_bytes=ZSTD_FRAME_BYTES))
     with ckptfmt.open_writer(url, profile="weights", codec=codec) as w:  # type: ignore[arg-type]
         w.write_tensor("weights", "a", rng.standard_normal((32, 48)).astype(np.float32))
         w.write_tensor("weights", "b", rng.standard_normal(3000).astype(ml_dtypes.bfloat16))
