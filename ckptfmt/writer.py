@@ -1,7 +1,7 @@
 """The checkpoint writer: the public face of the plan / execute / commit split.
 
 :class:`CheckpointWriter` validates and plans each call (:mod:`ckptfmt.plan`), streams full data
-files on a bounded pool (:mod:`ckptfmt.executor`), and at the end joins every rank's records into
+files on a bounded pool (:mod:`ckptfmt.write_executor`), and at the end joins every rank's records into
 the manifest, which the committer writes create-only (:mod:`ckptfmt.commit`, spec/commit.md).
 
 One process, one rank: the writer is its own coordinator. Several ranks: each rank's writer writes

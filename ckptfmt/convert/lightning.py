@@ -15,7 +15,7 @@ Lightning key              field                                       how
 everything else            ``lightning`` (+ ``lightning_tensors``)     losslessly encoded
 =========================  ==========================================  =====================
 
-Lightning records no RNG state, no topology and no sample offset; :class:`ckptfmt.integrations.lightning`
+Lightning records no RNG state, no topology and no sample offset; :mod:`ckptfmt.integrations.lightning`
 fills ``rng`` and ``topology`` when it writes, and an import says what the file lacked. The
 ``lightning`` field keeps the rest of the dict in a small tagged encoding (tuples, non-string keys
 and tensors marked), so :func:`to_checkpoint` gives Lightning back the dict it saved.

@@ -3,7 +3,7 @@
 A checkpoint of a job spanning several nodes is one manifest whose files are spread over the nodes' slots;
 replicas put copies of a node's files on another node. A **holding** is one directory on one node with a
 committed manifest and some of the files it lists. At a restore every node's leader lists its holdings; the
-coordinator chooses, purely from those lists (:func:`choose`), the newest checkpoint whose every file is held
+coordinator chooses, purely from those lists (:func:`complete`), the newest checkpoint whose every file is held
 somewhere, and which rank sends which missing file to which node (:func:`plan_transfers`): deterministic,
 spread over the holders, and by what a file is (checkpoint id and path), never by the rank that wrote it.
 """

@@ -2,8 +2,9 @@
 
 A training state is captured into a :class:`Snapshot` (host-memory tensors plus context maps),
 written by :func:`write_snapshot`, read back whole by :func:`read_snapshot` — every byte read and
-verified before anything is applied — and only then applied to the live objects by
-:func:`apply_snapshot`. So a corrupt checkpoint is refused before the model is touched.
+verified before anything is applied — and only then applied to the live objects by :func:`apply_model`,
+:func:`apply_optimizer` and :func:`apply_stateful` (:func:`ckptfmt.torch.api.apply` calls them). So a corrupt
+checkpoint is refused before the model is touched.
 """
 
 from __future__ import annotations
