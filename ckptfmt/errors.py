@@ -130,6 +130,16 @@ class UnsafePathError(ManifestError):
     code = "unsafe_path"
 
 
+class SymlinkError(UnsafePathError):
+    """A symlink where a file or directory of the checkpoint belongs: refused, never followed (PTH-3).
+    Same ``code`` as every unsafe path: the class is the category, for callers that explain it."""
+
+
+class FileKindError(UnsafePathError):
+    """An entry of the wrong kind where a path leads: a FIFO, socket, device or directory where a regular file
+    belongs, or a file where a directory belongs (PTH-4). Refused before a byte is read; same ``code``."""
+
+
 class UnsupportedCodecError(CheckpointError):
     """A chunk is stored with a codec this reader does not implement."""
 
@@ -222,6 +232,12 @@ class CollectiveError(CheckpointError):
     code = "collective"
 
 
+class ReplicaDropped(CollectiveError):
+    """A replica round gave up because its snapshot's slot was rewritten by a newer snapshot (the partner lags)."""
+
+    code = "replica_dropped"
+
+
 class MemoryCapacityError(CheckpointError):
     """The memory tier's slots do not fit in the memory directory (spec/memory.md MEM-9)."""
 
@@ -259,6 +275,7 @@ __all__ = [
     "DTypeError",
     "DigestMismatchError",
     "FieldNotFoundError",
+    "FileKindError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "ManifestError",
@@ -266,11 +283,13 @@ __all__ = [
     "MissingFieldError",
     "MissingFileError",
     "ReferencedCheckpointError",
+    "ReplicaDropped",
     "ResumeMismatchError",
     "SafetensorsHeaderError",
     "SizeMismatchError",
     "SourceFormatError",
     "StorageError",
+    "SymlinkError",
     "UnsafePathError",
     "UnsupportedCodecError",
     "UnsupportedExtensionError",

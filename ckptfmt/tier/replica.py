@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..collective import PeerChannel
-from ..errors import CheckpointError, CollectiveError, UnsafePathError
+from ..errors import CheckpointError, CollectiveError, ReplicaDropped, UnsafePathError
 from ..jsonio import load_json
 from ..manifest import FileRecord, checkpoint_id, parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
@@ -38,13 +38,7 @@ ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags
 _HAVE = ROUND_TAGS // 2  # a round's have-lists travel on its tag plus this: a thread never receives another's message
 
 
-class ReplicaDropped(CollectiveError):
-    """A replica round gave up because its snapshot's slot was rewritten by a newer snapshot (the partner lags)."""
-
-    code = "replica_dropped"
-
-
-DROPPED = "replica dropped"  # how a receiver learns it from the sender's abort message
+DROPPED = "replica dropped"  # how a ReplicaDropped's message begins (the receiver's says which rank sent it)
 
 
 def peer_dir(tier: MemoryTier, source: int, round_no: int) -> str:
@@ -228,15 +222,14 @@ class Replicator:
 
 
 def _dropped(future: Future[int]) -> bool:
-    exc = future.exception()
-    return exc is not None and (isinstance(exc, ReplicaDropped) or DROPPED in str(exc))
+    return isinstance(future.exception(), ReplicaDropped)
 
 
 def _value(future: Future[int], failures: list[str], what: str) -> int:
     exc = future.exception()
     if exc is None:
         return future.result()
-    if isinstance(exc, ReplicaDropped) or DROPPED in str(exc):
+    if isinstance(exc, ReplicaDropped):
         log.info("replica %s: %s", what, exc)  # the partner lags: an older copy stays, the next round catches up
         return 0
     message = f"{what} failed: {type(exc).__name__}: {exc}"
