@@ -19,7 +19,7 @@ from .blocks import BlockHasher
 from .codecs import get_codec
 from .context import decode
 from .digests import Hasher, algorithm_of, format_digest, new_hasher
-from .errors import CheckpointError, FileKindError, SymlinkError, UnsafePathError, UsageError
+from .errors import CheckpointError, UnsafePathError, UsageError
 from .fields import check_standard_field
 from .file_checks import FileChecks
 from .manifest import RAW, ChunkRecord, FieldRecord, FileRecord, Manifest
@@ -228,9 +228,8 @@ def _check_regular(ckpt: _Target, path: str) -> None:
     except UnsafePathError as exc:
         if exc.requirement is not None:
             raise
-        # a store that names no rule: the error's class says which it is
-        rule = "PTH-3" if isinstance(exc, SymlinkError) else "PTH-4" if isinstance(exc, FileKindError) else "PTH-2"
-        raise type(exc)(exc.message, path=path, requirement=rule) from exc
+        rule = {"symlink": "PTH-3", "file_kind": "PTH-4"}.get(exc.problem, "PTH-2")  # a store that names no rule
+        raise UnsafePathError(exc.message, problem=exc.problem, path=path, requirement=rule) from exc
     except CheckpointError:
         pass
 

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..collective import PeerChannel
-from ..errors import CheckpointError, CollectiveError, ReplicaDropped, UnsafePathError
+from ..errors import CheckpointError, CollectiveError, UnsafePathError
 from ..jsonio import load_json
 from ..manifest import FileRecord, checkpoint_id, parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
@@ -31,7 +31,7 @@ from .holdings import PEER_PREFIX
 from .nodes import NodeMap
 from .persist import lower_thread_priority
 from .ring import MemoryTier, private_dir_problem
-from .wire import receive_files, send_files
+from .wire import ReplicaDropped, receive_files, send_files
 
 log = logging.getLogger("ckptfmt")
 ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags above

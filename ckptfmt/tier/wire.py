@@ -24,13 +24,22 @@ import xxhash
 
 from ..collective import PeerChannel
 from ..digests import algorithm_of, format_digest, new_hasher
-from ..errors import CheckpointError, CollectiveError, DigestMismatchError, ReplicaDropped
+from ..errors import CheckpointError, CollectiveError, DigestMismatchError
 from ..jsonio import load_json
 from ..manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, checkpoint_id, parse_manifest
 from ..paths import MANIFEST_NAME, check_path
 from ..storage import Store
 
 PIECE_BYTES = 8 << 20
+
+
+class ReplicaDropped(CollectiveError):
+    """A replica round gave up because its snapshot's slot was rewritten by a newer snapshot (the partner lags):
+    raised by the sender's ``still_valid``, and by the receiver when the sender aborts for that reason."""
+
+    code = "replica_dropped"
+
+
 # a piece's status: its bytes follow; the sender could not read the file; the sender's source is being rewritten
 # (``still_valid``), so the receiver raises ReplicaDropped: an abort's message follows
 _OK, _ABORT, _DROPPED = 0, 1, 2
