@@ -109,6 +109,15 @@ def test_second_writer_is_refused(moto: MotoServer, bucket: str) -> None:
     first.abort()
 
 
+def test_manifest_is_create_only(moto: MotoServer, bucket: str) -> None:
+    """Two racing commits: S3's If-None-Match makes exactly one win (COM-11; every store: test_storage.py)."""
+    store = open_store(f"s3://{bucket}/ck", moto.storage_options())
+    store.put_exclusive("manifest.json", b"{}")
+    with pytest.raises(FileExistsError):
+        store.put_exclusive("manifest.json", b"{ }")
+    assert store.read("manifest.json") == b"{}"
+
+
 def test_committed_checkpoint_is_not_overwritten(moto: MotoServer, bucket: str) -> None:
     url = f"s3://{bucket}/ck"
     write_training(url, moto.storage_options(), model(0))
