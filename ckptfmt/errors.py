@@ -8,6 +8,10 @@ the same meaning, the class inherits it too, so ``except FileNotFoundError`` kee
 
 from __future__ import annotations
 
+from typing import Literal
+
+PathProblem = Literal["name", "symlink", "file_kind"]  # what an UnsafePathError refused
+
 
 class CheckpointError(Exception):
     """Base class of every error raised by ckptfmt."""
@@ -125,9 +129,28 @@ class ChunkLayoutError(ManifestError):
 
 
 class UnsafePathError(ManifestError):
-    """A path breaks the name grammar, escapes the root, or is a symlink or non-regular file."""
+    """A path breaks the name grammar, escapes the root, or is a symlink or non-regular file.
+
+    ``problem`` says which, for callers that explain it (never read it from the message): ``"name"`` the
+    path itself (grammar, escape: PTH-2), ``"symlink"`` a symlink where an entry of the checkpoint belongs,
+    refused and never followed (PTH-3), ``"file_kind"`` an entry of the wrong kind: a FIFO, socket, device or
+    directory where a regular file belongs, or a file where a directory belongs (PTH-4). One ``code`` for all.
+    """
 
     code = "unsafe_path"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        problem: PathProblem = "name",
+        path: str | None = None,
+        field: str | None = None,
+        tensor: str | None = None,
+        requirement: str | None = None,
+    ) -> None:
+        self.problem: PathProblem = problem
+        super().__init__(message, path=path, field=field, tensor=tensor, requirement=requirement)
 
 
 class UnsupportedCodecError(CheckpointError):

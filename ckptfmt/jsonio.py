@@ -51,9 +51,11 @@ def load_json(
     path: str | None = None,
     allow_float: bool = False,
     max_depth: int = MAX_DEPTH,
+    duplicate_requirement: str | None = None,
 ) -> Any:
     """Parse ``data`` as strict JSON: UTF-8, no duplicate member names, no NaN/Infinity, bounded nesting
-    and integer length; floats only where ``allow_float``. Every failure raises ``error`` naming ``what``.
+    and integer length; floats only where ``allow_float``. Every failure raises ``error`` naming ``what``;
+    a duplicate member name carries ``duplicate_requirement`` (the rule a caller's format gives it).
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     problem = json_nesting_problem(raw, max_depth) if len(raw) <= PRESCAN_BYTES else None
@@ -64,7 +66,7 @@ def load_json(
         out: dict[str, Any] = {}
         for key, value in items:
             if key in out:
-                raise error(f"{what}: duplicate JSON member name {key!r}", path=path)
+                raise error(f"{what}: duplicate JSON member name {key!r}", path=path, requirement=duplicate_requirement)
             out[key] = value
         return out
 

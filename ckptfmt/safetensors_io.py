@@ -73,11 +73,16 @@ def _load(header: bytes, path: str) -> dict[str, Any]:
     if problem is not None:
         raise SafetensorsHeaderError(f"header: {problem}", path=path, requirement="SAF-15")
     try:
-        table = load_json(header, error=SafetensorsHeaderError, what="header", path=path, allow_float=True)
+        table = load_json(
+            header,
+            error=SafetensorsHeaderError,
+            what="header",
+            path=path,
+            allow_float=True,
+            duplicate_requirement="SAF-5",
+        )
     except SafetensorsHeaderError as exc:
-        if "duplicate" in exc.message:
-            raise SafetensorsHeaderError(exc.message, path=path, requirement="SAF-5") from exc
-        raise SafetensorsHeaderError(exc.message, path=path, requirement="SAF-4") from exc
+        raise SafetensorsHeaderError(exc.message, path=path, requirement=exc.requirement or "SAF-4") from exc
     if not isinstance(table, dict):
         raise SafetensorsHeaderError("header is not a JSON object", path=path, requirement="SAF-4")
     try:

@@ -25,7 +25,6 @@ from .file_checks import FileChecks
 from .manifest import RAW, ChunkRecord, FieldRecord, FileRecord, Manifest
 from .read_executor import ReadExecutor
 from .storage import Store
-from .storage.routed import RoutedStore
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,7 +207,7 @@ def _add_bases(ckpt: _Target, report: VerifyReport, present: dict[str, int]) -> 
     unusable: set[str] = set()
     if not ckpt.manifest.bases:
         return unusable
-    if not isinstance(ckpt.store, RoutedStore):
+    if not ckpt.store.capabilities.references:
         raise UsageError("a referencing checkpoint is verified through its reader (ckptfmt.open)")
     for base in ckpt.manifest.bases:
         try:
@@ -229,11 +228,8 @@ def _check_regular(ckpt: _Target, path: str) -> None:
     except UnsafePathError as exc:
         if exc.requirement is not None:
             raise
-        if "symlink" in exc.message:  # a store that names no rule: its message says which it is
-            raise UnsafePathError(exc.message, path=path, requirement="PTH-3") from exc
-        if "regular file" in exc.message:
-            raise UnsafePathError(exc.message, path=path, requirement="PTH-4") from exc
-        raise UnsafePathError(exc.message, path=path, requirement="PTH-2") from exc
+        rule = {"symlink": "PTH-3", "file_kind": "PTH-4"}.get(exc.problem, "PTH-2")  # a store that names no rule
+        raise UnsafePathError(exc.message, problem=exc.problem, path=path, requirement=rule) from exc
     except CheckpointError:
         pass
 

@@ -45,8 +45,8 @@ def gc_cmd(
     invalid, or one that a kept checkpoint or a live writer references (an incremental checkpoint's
     base). The same rules as `ckpt ls` and the trainer's CheckpointManager.
     """
-    check_run_dir(run_url, storage_options)
     run = RunDirectory(run_url, storage_options)
+    files = check_run_dir(run)
     plan = run.plan_retention(keep_last=keep_last, keep_every=keep_every)
     hold = plan.hold
     doomed = list(plan.doomed) if dry_run else run.collect(plan)
@@ -56,7 +56,7 @@ def gc_cmd(
     # Only what a ckptfmt writer made is deleted: an uncommitted directory holding anything else stays whole,
     # and other files in a deleted checkpoint's directory stay where they are.
     left_alone = [e for e in kept if e.status == "incomplete" and e.foreign]
-    skipped = strays(run_url, storage_options)
+    skipped = strays(files)
     if as_json:
         emit_json(
             {

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import stat
+import os
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
 import click
 
-from ckptfmt.convert.base import Location, fs_call, locate
 from ckptfmt.errors import UsageError
 from ckptfmt.paths import MANIFEST_NAME
 from ckptfmt.run import RunDirectory
-from ckptfmt.storage.local import kind_of, lstat_children, walk_lstat
+from ckptfmt.storage import FileInfo
 
 from .errors import reports_errors
 from .options import json_output, storage_options
 from .output import emit_json, human_bytes, info, table
-
-_MTIME_KEYS = ("mtime", "LastModified", "last_modified", "created")
-
-
-def _mtime(info: Mapping[str, Any]) -> float | None:
-    for key in _MTIME_KEYS:
-        value = info.get(key)
-        if isinstance(value, datetime):
-            return value.timestamp()
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
 
 
 def _timestamp(text: object) -> float | None:
@@ -45,65 +32,48 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _find(run: Location) -> dict[str, Mapping[str, Any]]:
-    """Every file below the run directory -> fsspec-style detail; on a local disk walked following no
-    symlink (fsspec's find descends into symlinked directories)."""
-    if not run.is_local:
-        found: dict[str, Mapping[str, Any]] = fs_call(run.url, run.fs.find, run.path, detail=True, withdirs=False)
-        return found
-    prefix = run.path.rstrip("/") + "/"
-    return {prefix + rel: {"mtime": st.st_mtime, "size": st.st_size} for rel, st in walk_lstat(run.path).items()}
+def shown_url(run_url: str) -> str:
+    """The run directory as reports name it: a local path made absolute, a URL as given."""
+    return run_url if "://" in run_url else os.path.abspath(run_url)
 
 
-def strays(run_url: str, opts: dict[str, Any]) -> list[str]:
-    """Children of a local run directory that are symlinks or special files: never followed, listed or
-    deleted; named so that an operator knows they were seen."""
-    run = locate(run_url, opts)
-    if not run.is_local:
-        return []
-    return [
-        f"{name} ({kind_of(st.st_mode)})"
-        for name, st in sorted(lstat_children(run.path))
-        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode))
-    ]
+def strays(files: Mapping[str, FileInfo]) -> list[str]:
+    """Children of a run directory (its listing, ``Store.list_detail``) that are symlinks or special files:
+    never followed, listed or deleted; named so that an operator knows they were seen (local disks only)."""
+    return [f"{name} ({f.kind})" for name, f in sorted(files.items()) if "/" not in name and f.kind is not None]
 
 
-def check_run_dir(run_url: str, opts: dict[str, Any]) -> tuple[Location, dict[str, Mapping[str, Any]]]:
-    """The run directory's location and its files (fsspec detail); refuses what is not a run directory."""
-    run = locate(run_url, opts)
-    if not fs_call(run.url, run.fs.isdir, run.path):
-        raise UsageError("not a directory", path=run.url)
-    found = _find(run)
-    prefix = run.path.rstrip("/") + "/"
-    if MANIFEST_NAME in {str(n)[len(prefix) :] for n in found}:
-        raise UsageError("this is a checkpoint, not a run directory; use `ckpt inspect`", path=run.url)
-    return run, found
+def check_run_dir(run: RunDirectory) -> dict[str, FileInfo]:
+    """The run directory's files (``Store.list_detail``); refuses what is not a run directory."""
+    if not run.store.is_directory():
+        raise UsageError("not a directory", path=shown_url(run.url))
+    files = run.store.list_detail()
+    if MANIFEST_NAME in files:
+        raise UsageError("this is a checkpoint, not a run directory; use `ckpt inspect`", path=shown_url(run.url))
+    return files
 
 
-def list_run(run_url: str, opts: dict[str, Any]) -> list[dict[str, Any]]:
+def list_run(run: RunDirectory, files: Mapping[str, FileInfo]) -> list[dict[str, Any]]:
     """The run's checkpoints as ``ckpt ls --json`` shows them.
 
     Which children are checkpoints, their status and step come from :class:`ckptfmt.run.RunDirectory`,
     the rules ``ckpt gc`` and the trainer's CheckpointManager apply; ``created`` falls back to the
     newest modification time of a checkpoint's files.
     """
-    run, found = check_run_dir(run_url, opts)
-    prefix = run.path.rstrip("/") + "/"
     newest: dict[str, float] = {}
-    for full, detail in found.items():
-        name, sep, _ = str(full)[len(prefix) :].partition("/")
-        stamp = _mtime(detail)
-        if sep and stamp is not None:
-            newest[name] = max(stamp, newest.get(name, stamp))
+    for path, detail in files.items():
+        name, sep, _ = path.partition("/")
+        if sep and detail.mtime is not None:
+            newest[name] = max(detail.mtime, newest.get(name, detail.mtime))
     entries = []
-    for e in RunDirectory(run_url, opts).entries():
+    for e in run.entries():
         if e.foreign and e.status != "committed":
             info(f"{e.name}: {len(e.foreign)} file(s) no ckptfmt writer made (e.g. {e.foreign[0]}); gc leaves it alone")
         created = e.created if _timestamp(e.created) is not None else _iso(newest.get(e.name))
         entries.append(
             {
                 "name": e.name,
-                "url": run.join(e.name).url,
+                "url": f"{shown_url(run.url).rstrip('/')}/{e.name}",
                 "step": e.step,
                 "created": created,
                 "size": e.size,
@@ -136,10 +106,12 @@ def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None
     table adds the bytes each references in other checkpoints and which (its bases). The same rules as
     ``ckpt gc``.
     """
-    entries = list_run(run_url, storage_options)
-    for stray in strays(run_url, storage_options):
+    run = RunDirectory(run_url, storage_options)
+    files = check_run_dir(run)
+    entries = list_run(run, files)
+    for stray in strays(files):
         info(f"skipped {stray}: symlinks and special files in a run directory are never followed")
-    restore = RunDirectory(run_url, storage_options).last_restore()
+    restore = run.last_restore()
     if as_json:
         emit_json({"url": run_url, "checkpoints": entries, "last_restore": restore})
         return

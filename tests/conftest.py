@@ -126,6 +126,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+@pytest.fixture
+def memory_url(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """An empty checkpoint root on fsspec's memory filesystem."""
+    with _memory(tmp_path, request) as url:
+        yield url
+
+
+@pytest.fixture
+def s3_url(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """An empty checkpoint root in a fresh bucket of the session's moto server."""
+    with _s3(tmp_path, request) as url:
+        yield url
+
+
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
 def backend(request: pytest.FixtureRequest) -> Backend:
     return request.param  # type: ignore[no-any-return]

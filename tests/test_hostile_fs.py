@@ -228,15 +228,6 @@ def test_store_mutations_refuse_symlinked_components(tmp_path: Path, outside: Se
     assert not (root / "a").exists()
 
 
-@pytest.mark.parametrize("path", ["../escape", "/abs", "a//b", "a/./b", "a/../b"])
-def test_store_refuses_paths_that_are_not_plain(tmp_path: Path, path: str) -> None:
-    store = LocalStore(tmp_path / "root")
-    with pytest.raises(UnsafePathError):
-        store.create(path)
-    with pytest.raises(UnsafePathError):
-        store.read(path)
-
-
 def test_the_root_itself_may_be_a_symlink(tmp_path: Path) -> None:
     """The caller's own path may go through a symlink; only what lies below the root is never followed."""
     real = tmp_path / "real"
@@ -301,17 +292,6 @@ def sparse(path: Path, size: int, head: bytes = b"") -> None:
     with open(path, "wb") as f:
         f.write(head)
         f.truncate(size)
-
-
-def test_store_read_is_bounded(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
-    sparse(tmp_path / "big.json", 4 * GiB, b"{")
-    with pytest.raises(SizeMismatchError, match=r"big\.json"):
-        store.read("big.json")  # the default bound
-    (tmp_path / "small").write_bytes(b"12345")
-    with pytest.raises(SizeMismatchError):
-        store.read("small", max_size=4)
-    assert store.read("small", max_size=5) == b"12345"
 
 
 def test_a_sparse_manifest_is_refused_before_it_is_read(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from s3_server import CountingProxy, MotoServer
 
 import ckptfmt
-from ckptfmt.storage import open_store, remote
+from ckptfmt.storage import open_store, s3
 
 MiB = 1 << 20
 
@@ -29,7 +29,7 @@ def bucket(moto: MotoServer) -> str:
 @pytest.fixture
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """5 MiB multipart parts (S3's minimum), so tests see real multipart uploads with little data."""
-    monkeypatch.setattr(remote, "PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * MiB)
 
 
 def fast_fail(options: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def test_second_writer_is_refused(moto: MotoServer, bucket: str) -> None:
 
 
 def test_manifest_is_create_only(moto: MotoServer, bucket: str) -> None:
-    """Two racing commits: S3's If-None-Match makes exactly one win."""
+    """Two racing commits: S3's If-None-Match makes exactly one win (COM-11; every store: test_storage.py)."""
     store = open_store(f"s3://{bucket}/ck", moto.storage_options())
     store.put_exclusive("manifest.json", b"{}")
     with pytest.raises(FileExistsError):
@@ -242,11 +242,11 @@ def test_lost_create_race_is_read_from_the_status_code_not_the_message() -> None
             except OSError as outer:
                 return outer
 
-    assert remote.lost_create_race(wrapped(client_error("PreconditionFailed", 412)))
-    assert remote.lost_create_race(wrapped(client_error("SomethingElse", 412)))
-    assert remote.lost_create_race(FileExistsError("exists"))
-    assert not remote.lost_create_race(wrapped(client_error("SlowDown", 503)))
-    assert not remote.lost_create_race(OSError("timeout after 412 ms to bucket-412"))
+    assert s3.lost_create_race(wrapped(client_error("PreconditionFailed", 412)))
+    assert s3.lost_create_race(wrapped(client_error("SomethingElse", 412)))
+    assert s3.lost_create_race(FileExistsError("exists"))
+    assert not s3.lost_create_race(wrapped(client_error("SlowDown", 503)))
+    assert not s3.lost_create_race(OSError("timeout after 412 ms to bucket-412"))
 
 
 def test_read_is_bounded_on_object_stores(moto: MotoServer, bucket: str) -> None:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 import ckptfmt
 from ckptfmt.run import RunDirectory
-from ckptfmt.storage import remote
+from ckptfmt.storage import s3
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import CKPT, RUNNERS, assert_same_tensor, run_cli, write_training
@@ -253,10 +253,10 @@ WRITER = textwrap.dedent(
     import json, sys
     import numpy as np
     import ckptfmt
-    from ckptfmt.storage import remote
+    from ckptfmt.storage import s3
 
     url, options, spec = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    remote.PART_SIZE = spec["part_size"]
+    s3.PART_SIZE = spec["part_size"]
     rng = np.random.default_rng(0)
     with ckptfmt.open_writer(url, storage_options=options, target_file_size=spec["file_size"]) as w:
         for i in range(spec["tensors"]):
@@ -318,7 +318,7 @@ def test_server_killed_mid_conversion_then_restarted(
     tmp_path: Path, no_aws_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """moto keeps no state across a restart: the retry goes into a bucket created again."""
-    monkeypatch.setattr(remote, "PART_SIZE", 5 * MiB)  # S3's smallest part: multipart uploads with little data
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * MiB)  # S3's smallest part: multipart uploads with little data
     sd = state_dict(big_mib=4)  # 16 MiB
     src = hf_dir(tmp_path / "hf", sd, max_shard_size="5MB")
     convert = ["convert", str(src), "--to", "ckptfmt", "--target-file-size", "6MiB"]

@@ -9,7 +9,7 @@ import pytest
 from s3_server import CountingProxy, MotoServer
 
 import ckptfmt
-from ckptfmt.storage import multipart, open_store, remote
+from ckptfmt.storage import multipart, open_store, s3
 
 MiB = 1 << 20
 PATH = "weights/r00000-00000.safetensors"
@@ -23,7 +23,7 @@ def bucket(moto_server: MotoServer) -> str:
 @pytest.fixture(autouse=True)
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """5 MiB parts (S3's minimum), so a few MiB make a real multipart upload."""
-    monkeypatch.setattr(remote, "PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * MiB)
 
 
 def fast_fail(options: dict[str, Any]) -> dict[str, Any]:

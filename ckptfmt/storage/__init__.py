@@ -1,4 +1,5 @@
-"""Storage backends, chosen by URL: local paths and file:// go to the os module, everything else to fsspec."""
+"""Storage backends, chosen by URL: local paths and file:// go to the os module (local.py), s3:// to s3fs's
+client (s3.py), everything else to fsspec (remote.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
-from .base import Capabilities, OutputFile, Store
+from .base import Capabilities, FileInfo, OutputFile, Store
 from .local import LocalStore
 
 if TYPE_CHECKING:
     from .remote import FsspecStore
+    from .s3 import S3Store
 
 
 def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Store:
@@ -22,18 +24,23 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     if text.startswith("file://"):
         return LocalStore(text[len("file://") :])
     options = dict(storage_options or {})
-    if text.startswith(("s3://", "s3a://")):
-        # Throttling, 5xx and dropped connections are retried with backoff by botocore's standard mode.
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
-        options["config_kwargs"] = config
+    s3 = text.startswith(("s3://", "s3a://"))
+    if s3:
+        from .s3 import with_retries
+
+        options = with_retries(options)
     try:
         import fsspec.core
 
         fs, root = fsspec.core.url_to_fs(text, **options)
     except (ImportError, ValueError) as exc:
         raise StorageError(f"no storage backend for {text!r}: {exc}") from exc
-    from .remote import FsspecStore  # asyncio and friends: only for a store that needs them (30 ms a process)
+    # asyncio and friends: only for a store that needs them (30 ms a process)
+    if s3 and hasattr(fs, "_call_s3"):  # s3fs, whose client S3Store drives itself
+        from .s3 import S3Store
+
+        return S3Store(fs, root, text)
+    from .remote import FsspecStore
 
     return FsspecStore(fs, root, text)
 
@@ -43,7 +50,11 @@ def __getattr__(name: str) -> Any:
         from .remote import FsspecStore
 
         return FsspecStore
+    if name == "S3Store":
+        from .s3 import S3Store
+
+        return S3Store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Capabilities", "FsspecStore", "LocalStore", "OutputFile", "Store", "open_store"]
+__all__ = ["Capabilities", "FileInfo", "FsspecStore", "LocalStore", "OutputFile", "S3Store", "Store", "open_store"]

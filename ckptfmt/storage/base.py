@@ -23,6 +23,18 @@ DEFAULT_MAX_READ = 1 << 30
 class Capabilities:
     exclusive_create: bool  # put_exclusive is atomic against concurrent writers (else: a rename dance)
     local: bool  # a POSIX filesystem (fsync, rename, symlinks exist)
+    # answers for the ``../<name>/`` paths of the checkpoints it references, and opens them with ``base``
+    # (a reader's view of a referencing checkpoint, spec/references.md)
+    references: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileInfo:
+    """One entry of :meth:`Store.list_detail`."""
+
+    size: int
+    mtime: float | None = None  # seconds since the epoch, where the backend records it
+    kind: str | None = None  # None: a regular file; else what it is ("a symlink", "a FIFO", ...: local disks)
 
 
 class OutputFile(ABC):
@@ -81,6 +93,13 @@ class Store(ABC):
 
         raise UsageError(f"{type(self).__name__} cannot open a sibling of {self.url}")
 
+    def base(self, location: str) -> Store:
+        """The store of the referenced checkpoint at ``location`` (``../<name>``), where
+        ``capabilities.references``; opened (and its identity checked) on first use."""
+        from ..errors import UsageError
+
+        raise UsageError(f"{type(self).__name__} does not answer for referenced checkpoints ({location})")
+
     @abstractmethod
     def size(self, path: str) -> int: ...
 
@@ -90,6 +109,14 @@ class Store(ABC):
     @abstractmethod
     def list(self) -> dict[str, int]:
         """Every file below the root (relative path -> size), hidden ones included."""
+
+    def list_detail(self) -> dict[str, FileInfo]:
+        """:meth:`list` with each entry's modification time and kind, where the backend knows them."""
+        return {path: FileInfo(size=size) for path, size in self.list().items()}
+
+    def is_directory(self) -> bool:
+        """Whether the root is a directory (an object store: whether any object lies below it)."""
+        return bool(self.list())
 
     @abstractmethod
     def delete(self, path: str) -> None:

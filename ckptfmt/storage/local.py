@@ -2,8 +2,8 @@
 
 Every operation below the root walks from the root one directory at a time with directory file
 descriptors opened ``O_NOFOLLOW`` (the ``dir_fd=`` variants of mkdir, open, rename, link, unlink,
-rmdir), so a symlink or a non-directory anywhere below the root is refused with
-:class:`UnsafePathError` instead of being followed, and nothing can be read, written or deleted
+rmdir), so a symlink or a non-directory anywhere below the root is refused with :class:`UnsafePathError`
+(its ``problem`` says which) instead of being followed, and nothing can be read, written or deleted
 outside the root. The root itself is the caller's path: a symlink there is the caller's choice.
 
 Files are opened ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO would block a plain open forever) and refused
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError
-from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
+from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store
 from .direct import StagedWriter
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -116,10 +116,12 @@ def _open_dir(dir_fd: int, name: str, path: str, *, create: bool = False) -> int
                     what = kind_of(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
                 except OSError:
                     what = "not a directory"
+                linked = what == "a symlink"
                 raise UnsafePathError(
                     f"component {name!r} is {what}; nothing below the root is followed",
+                    problem="symlink" if linked else "file_kind",
                     path=path,
-                    requirement="PTH-3" if what == "a symlink" else "PTH-4",
+                    requirement="PTH-3" if linked else "PTH-4",
                 ) from exc
             raise StorageError(f"cannot open directory {name!r}: {exc}", path=path) from exc
     raise StorageError(f"directory {name!r} keeps disappearing", path=path)
@@ -166,14 +168,20 @@ def _open_regular(dir_fd: int | None, name: str, path: str) -> int:
         raise MissingFileError("file is missing", path=path) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafePathError("is a symlink; readers follow none", path=path, requirement="PTH-3") from exc
+            raise UnsafePathError(
+                "is a symlink; readers follow none", problem="symlink", path=path, requirement="PTH-3"
+            ) from exc
         if exc.errno == errno.ENXIO:  # a unix socket cannot be opened
-            raise UnsafePathError("is a socket, not a regular file", path=path, requirement="PTH-4") from exc
+            raise UnsafePathError(
+                "is a socket, not a regular file", problem="file_kind", path=path, requirement="PTH-4"
+            ) from exc
         raise StorageError(f"cannot open: {exc}", path=path) from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise UnsafePathError(f"is {kind_of(mode)}, not a regular file", path=path, requirement="PTH-4")
+            raise UnsafePathError(
+                f"is {kind_of(mode)}, not a regular file", problem="file_kind", path=path, requirement="PTH-4"
+            )
         fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # clears O_NONBLOCK (the only status flag it was opened with)
     except BaseException:
         os.close(fd)
@@ -426,7 +434,7 @@ class LocalStore(Store):
     def sibling(self, name: str) -> LocalStore:
         path = self.root.parent / name
         if path.is_symlink():  # a base is a directory of the run directory, never a way out of it (REF-7)
-            raise UnsafePathError(f"{name!r} beside {self.url} is a symbolic link", path=str(path))
+            raise UnsafePathError(f"{name!r} beside {self.url} is a symbolic link", problem="symlink", path=str(path))
         return LocalStore(path, direct_io=self.direct_io)
 
     def _open_read(self, path: str) -> int:
@@ -442,7 +450,7 @@ class LocalStore(Store):
             return LocalOutput(dir_fd, name, path, direct=self.direct_io)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise UnsafePathError("a symlink is in the way of the temp file", path=path) from exc
+                raise UnsafePathError("a symlink is in the way of the temp file", problem="symlink", path=path) from exc
             raise StorageError(f"cannot create: {exc}", path=path) from exc
 
     def put_exclusive(self, path: str, data: bytes) -> None:
@@ -510,6 +518,17 @@ class LocalStore(Store):
         """Every non-directory entry below the root (symlinks, to directories too, and special files
         included: they are reported, never followed), relative path -> lstat size."""
         return {rel: st.st_size for rel, st in walk_lstat(self.url).items()}
+
+    def list_detail(self) -> dict[str, FileInfo]:
+        return {
+            rel: FileInfo(
+                size=st.st_size, mtime=st.st_mtime, kind=None if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)
+            )
+            for rel, st in walk_lstat(self.url).items()
+        }
+
+    def is_directory(self) -> bool:
+        return os.path.isdir(self.url)
 
     def delete(self, path: str) -> None:
         try:

@@ -3,7 +3,7 @@
 Bytes are copied once, into the part being filled; a full part is sent as ``upload_part`` on s3fs's
 event loop while the caller goes on writing. Memory bound, per file: the part being filled plus the
 parts uploading never hold more than ``BUFFER_PARTS`` base parts (5 x 16 MiB = 80 MiB with the
-default ``remote.PART_SIZE``: 4 parts uploading, 1 filling; once parts double, 1 uploading and
+default ``s3.PART_SIZE``: 4 parts uploading, 1 filling; once parts double, 1 uploading and
 1 filling), so a writer saving two files at once holds at most 160 MiB above the caller's tensors.
 
 Part sizes: S3 takes at most ``MAX_PARTS`` parts of at least 5 MiB (the last excepted). The first

@@ -1,87 +1,44 @@
-"""Any fsspec filesystem (memory://, s3://, ...). Object stores publish a file in one step on close."""
+"""Any fsspec filesystem (memory://, gcs://, ...). Object stores publish a file in one step on close.
+
+S3's own ways (multipart uploads with parts in flight, checked ranged GETs, HTTP 412 read as a lost race,
+unfinished uploads) are :class:`~ckptfmt.storage.s3.S3Store`'s, a subclass chosen for ``s3://`` URLs.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import itertools
-import re
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
-from ..errors import MissingFileError, SizeMismatchError, StorageError
-from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
-from .multipart import MultipartOutput
+from ..errors import CheckpointError, MissingFileError, SizeMismatchError, StorageError
+from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store
 
 # Filesystems whose writes become visible only when complete (multipart upload), so a failed write
 # can be discarded without ever appearing under the final name.
 _ATOMIC_PUT = {"s3", "s3a", "gcs", "gs", "abfs", "az"}
-PART_SIZE = 16 << 20  # multipart part size (s3fs: several in flight, storage/multipart.py; others: one)
+PART_SIZE = 16 << 20  # block size of a streamed upload (S3: storage/s3.py PART_SIZE)
 READ_PIECE = 64 << 20  # the largest ranged GET: longer runs of neighbouring ranges are split, fetched together
 # The object an exclusive-create probe writes and deletes (FsspecStore._probe_create_only): the temp name of a
 # manifest, so `ckpt gc` recognises one a killed process leaves behind as a writer's (ckptfmt/run.py).
 PROBE_NAME = ".manifest.json.tmp-{token}"
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_MTIME_KEYS = ("mtime", "LastModified", "last_modified", "created")  # what fsspec backends call it
 
 
-def lost_create_race(exc: BaseException) -> bool:
-    """Whether an exclusive write failed because the object exists: S3 answers a lost
-    ``If-None-Match: *`` with HTTP 412 ``PreconditionFailed``. Read from the status code and error
-    code of any botocore-style error in the exception's cause/context chain, never from its text."""
+def caused_by(exc: BaseException, test: Callable[[BaseException], bool]) -> bool:
+    """Whether ``test`` holds for ``exc`` or any exception in its cause/context chain (cycles and very long
+    chains cut short): the type of an error, never its text, says what happened."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen and len(seen) < 32:
         seen.add(id(current))
-        if isinstance(current, FileExistsError):
+        if test(current):
             return True
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error")
-            meta = response.get("ResponseMetadata")
-            code = error.get("Code") if isinstance(error, dict) else None
-            status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
-            if code == "PreconditionFailed" or status == 412:
-                return True
         current = current.__cause__ or current.__context__
     return False
-
-
-class RangeNotHonoured(Exception):
-    """A ranged GET was answered with other bytes than it asked for (the store raises a StorageError)."""
-
-
-def answered_range(resp: Mapping[str, Any], start: int, end: int) -> int:
-    """How many of the bytes ``[start, end)`` a GET's answer holds, from ``start`` on, read from its status,
-    Content-Range and Content-Length: all of them, or fewer where the object ends first. Raises
-    RangeNotHonoured where the answer holds other bytes, so a store that ignores or misreads Range never
-    hands a reader another part of the file.
-
-    A 200 is the whole object (HTTP lets a server ignore Range): from byte 0 its first bytes are the asked
-    ones, and the caller reads just those; from anywhere else it is refused, not skipped through, since
-    every GET would then cost the object up to its range (a shard read in 64 MiB pieces, many times over).
-    """
-    meta = resp.get("ResponseMetadata")
-    status = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
-    length = resp.get("ContentLength")
-    length = length if isinstance(length, int) else None
-    asked = f"bytes {start}-{end - 1}"
-    if status == 200:
-        if start != 0:
-            raise RangeNotHonoured(
-                f"asked for {asked}, got HTTP 200 with the whole object ({length} bytes): the store ignores Range"
-            )
-        return end if length is None else min(length, end)
-    content_range = resp.get("ContentRange")
-    match = _CONTENT_RANGE.fullmatch(content_range.strip()) if isinstance(content_range, str) else None
-    if status != 206 or match is None:
-        raise RangeNotHonoured(f"asked for {asked}, got HTTP {status} with Content-Range {content_range!r}")
-    first, last, total = int(match[1]), int(match[2]), match[3]
-    ends_first = last < end - 1 and total == str(last + 1)  # the object is shorter than the range asked
-    if first != start or last > end - 1 or (last < end - 1 and not ends_first) or length != last + 1 - first:
-        raise RangeNotHonoured(f"asked for {asked}, got Content-Range {content_range!r} with Content-Length {length}")
-    return last + 1 - start
 
 
 class DirectOutput(OutputFile):
@@ -205,79 +162,26 @@ def _fills(gets: Sequence[tuple[int, int]], todo: Sequence[tuple[int, memoryview
     return fills
 
 
-async def _stream_gets(fs: Any, full: str, gets: Sequence[tuple[int, int]], fills: Sequence[Fill]) -> None:
-    """s3fs: send every GET at once, each streaming its body straight into its destinations (which tile it),
-    so no whole-range ``bytes`` is built and copied again. A GET whose stream breaks resumes where it
-    stopped (up to ``fs.retries`` times); one that ends early raises EOFError(the byte it should reach);
-    one answered with other bytes than asked raises RangeNotHonoured (``answered_range``)."""
-    bucket, key, _ = fs.split_path(full)
-
-    async def get(start: int, end: int, fill: Fill) -> None:
-        at, attempts = start, 0
-        while at < end:
-            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={at}-{end - 1}", **fs.req_kw)
-            body = resp["Body"]
-            try:
-                if at + answered_range(resp, at, end) < end:
-                    raise EOFError(end)
-                for offset, view in fill:
-                    filled = max(at - start - offset, 0)  # destinations filled before a resumed GET are skipped
-                    while filled < len(view):
-                        got = await body.readinto(view[filled:])
-                        if not got:
-                            raise EOFError(end)
-                        filled += got
-                        at += got
-            except (EOFError, RangeNotHonoured):
-                raise
-            except Exception:
-                attempts += 1
-                if attempts >= fs.retries:
-                    raise
-            finally:
-                body.close()
-
-    tasks = [get(start, end, fill) for (start, end), fill in zip(gets, fills, strict=True)]
-    for result in await asyncio.gather(*tasks, return_exceptions=True):
-        if isinstance(result, BaseException):
-            raise result
-
-
-async def _read_head(fs: Any, full: str, limit: int) -> bytes:
-    """s3fs: an object's first bytes, at most ``limit`` of them, in one ranged GET checked as ``_stream_gets``
-    checks its own, retried as s3fs retries its reads."""
-    from s3fs.core import _error_wrapper
-
-    bucket, key, _ = fs.split_path(full)
-
-    async def call() -> bytes:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit - 1}", **fs.req_kw)
-        body = resp["Body"]
-        try:
-            out = bytearray(answered_range(resp, 0, limit))
-            view, filled = memoryview(out), 0
-            while filled < len(out):
-                got = await body.readinto(view[filled:])
-                if not got:
-                    raise EOFError(len(out))
-                filled += got
-            return bytes(out)
-        finally:
-            body.close()
-
-    data: bytes = await _error_wrapper(call, retries=fs.retries)
-    return data
+def _mtime(info: Mapping[str, Any]) -> float | None:
+    for key in _MTIME_KEYS:
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
 
 
 class FsspecStore(Store):
+    """A prefix of any fsspec filesystem. Subclasses (S3) replace how bytes travel (``_output``, ``_head``,
+    ``_fetch``) and how a lost create race reads (``_lost_race``), never what the interface promises."""
+
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.capabilities = Capabilities(exclusive_create=bool(_ATOMIC_PUT.intersection(protocols)), local=False)
-        # s3fs: uploads with parts in flight, through its client (its S3File sends one part at a time)
-        self._s3_client = "s3" in protocols and hasattr(fs, "_call_s3")
         # whether the store was seen to refuse a create-only PUT over an existing object (_probe_create_only)
         self._create_only_checked = not self.capabilities.exclusive_create
         self._probe_lock = threading.Lock()
@@ -288,7 +192,7 @@ class FsspecStore(Store):
     def sibling(self, name: str) -> FsspecStore:
         parent = self.root.rpartition("/")[0]
         url = self.url.rstrip("/")
-        return FsspecStore(self.fs, f"{parent}/{name}", f"{url.rpartition('/')[0]}/{name}")
+        return type(self)(self.fs, f"{parent}/{name}", f"{url.rpartition('/')[0]}/{name}")
 
     def _wrap(self, exc: Exception, path: str, doing: str, *, writing: bool = False) -> Exception:
         where = f"{self.url.rstrip('/')}/{path}" if path else self.url
@@ -301,16 +205,16 @@ class FsspecStore(Store):
         return StorageError(f"{doing} failed for {where}: {type(exc).__name__}: {exc}", path=path)
 
     def create(self, path: str) -> OutputFile:
-        full = self._full(path)
         try:
-            if self._s3_client:
-                return MultipartOutput(self.fs, full, path, part_bytes=PART_SIZE)
-            if self.capabilities.exclusive_create:  # uploads appear whole: no temporary name needed
-                return DirectOutput(self.fs, full, path)
-            return RenameOutput(self.fs, full, path)
+            return self._output(self._full(path), path)
         except StorageError as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
             raise self._wrap(cause, path, "create", writing=True) from exc
+
+    def _output(self, full: str, path: str) -> OutputFile:
+        if self.capabilities.exclusive_create:  # uploads appear whole: no temporary name needed
+            return DirectOutput(self.fs, full, path)
+        return RenameOutput(self.fs, full, path)
 
     def put_exclusive(self, path: str, data: bytes) -> None:
         """Create-only (S3: ``If-None-Match: *``). Before a store's first one, the store is seen to honour it
@@ -322,13 +226,17 @@ class FsspecStore(Store):
                     self._create_only_checked = True
         self._put_create_only(path, data)
 
+    def _lost_race(self, exc: BaseException) -> bool:
+        """Whether a create-only write failed because the object exists."""
+        return caused_by(exc, lambda e: isinstance(e, FileExistsError))
+
     def _put_create_only(self, path: str, data: bytes) -> None:
         try:
             self.fs.pipe_file(self._full(path), data, mode="create")
         except FileExistsError:
             raise
         except Exception as exc:
-            if lost_create_race(exc):
+            if self._lost_race(exc):
                 raise FileExistsError(path) from exc
             raise self._wrap(exc, path, "exclusive write", writing=True) from exc
 
@@ -375,32 +283,22 @@ class FsspecStore(Store):
             return b""  # a ranged GET of an empty object is "not satisfiable"
         try:
             # Ranged, so an object replaced meanwhile by a bigger one still costs at most max_size + 1 bytes.
-            if self._s3_client:
-                from fsspec.asyn import sync
-
-                data = bytes(sync(self.fs.loop, _read_head, self.fs, self._full(path), max_size + 1))
-            else:
-                data = bytes(self.fs.cat_file(self._full(path), start=0, end=max_size + 1))
-        except RangeNotHonoured as exc:
-            raise self._not_honoured(exc, path) from exc
-        except EOFError as exc:
-            raise SizeMismatchError(f"file ends before byte {exc.args[0]}", path=path) from exc
+            data = self._head(path, max_size + 1)
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise self._wrap(exc, path, "read") from exc
         if len(data) > max_size:
             raise SizeMismatchError(f"is more than the {max_size} bytes this file may have", path=path)
         return data
 
-    def _not_honoured(self, exc: RangeNotHonoured, path: str) -> StorageError:
-        where = f"{self.url.rstrip('/')}/{path}"
-        return StorageError(f"ranged read of {where} not honoured: {exc}", path=path)
+    def _head(self, path: str, limit: int) -> bytes:
+        """The file's first bytes, at most ``limit`` of them."""
+        return bytes(self.fs.cat_file(self._full(path), start=0, end=limit))
 
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
         if not len(view):
-            return
-        if self._s3_client:  # the checked GETs of read_ranges
-            self.read_ranges(path, [(begin, view)])
             return
         try:
             data = self.fs.cat_file(self._full(path), start=begin, end=begin + len(view))
@@ -419,27 +317,14 @@ class FsspecStore(Store):
             return
         gets = plan_gets([(begin, begin + len(view)) for begin, view in todo])
         fills = _fills(gets, todo)
-        disjoint = all(b0 + len(v0) <= b1 for (b0, v0), (b1, _) in itertools.pairwise(todo))
-        blobs: builtins.list[Any]
         try:
-            if self._s3_client:
-                from fsspec.asyn import sync
-
-                if disjoint:
-                    sync(self.fs.loop, _stream_gets, self.fs, self._full(path), gets, fills)
-                    return
-                # overlapping destinations cannot both be streamed into: each GET lands in a buffer first
-                blobs = [bytearray(end - start) for start, end in gets]
-                sync(self.fs.loop, _stream_gets, self.fs, self._full(path), gets, [[(0, memoryview(b))] for b in blobs])
-            else:
-                # one call: fsspec sends the GETs together (concurrently on async backends)
-                blobs = self.fs.cat_ranges([self._full(path)] * len(gets), [g[0] for g in gets], [g[1] for g in gets])
-        except RangeNotHonoured as exc:
-            raise self._not_honoured(exc, path) from exc
-        except EOFError as exc:
-            raise SizeMismatchError(f"file ends before byte {exc.args[0]}", path=path) from exc
+            blobs = self._fetch(path, gets, todo, fills)
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise self._wrap(exc, path, "ranged read") from exc
+        if blobs is None:
+            return
         for (start, end), data, fill in zip(gets, blobs, fills, strict=True):
             if isinstance(data, Exception):
                 raise self._wrap(data, path, "ranged read") from data
@@ -447,6 +332,16 @@ class FsspecStore(Store):
                 raise SizeMismatchError(f"file ends before byte {end}", path=path)
             for offset, view in fill:
                 view[:] = memoryview(data)[offset : offset + len(view)]
+
+    def _fetch(
+        self, path: str, gets: Sequence[tuple[int, int]], todo: Sequence[tuple[int, memoryview]], fills: list[Fill]
+    ) -> builtins.list[Any] | None:
+        """The bytes (or the exception) of each of ``gets``; None when they were put into ``fills`` already."""
+        # one call: fsspec sends the GETs together (concurrently on async backends)
+        blobs: builtins.list[Any] = self.fs.cat_ranges(
+            [self._full(path)] * len(gets), [g[0] for g in gets], [g[1] for g in gets]
+        )
+        return blobs
 
     def size(self, path: str) -> int:
         try:
@@ -460,7 +355,16 @@ class FsspecStore(Store):
         except Exception as exc:
             raise self._wrap(exc, path, "stat") from exc
 
+    def is_directory(self) -> bool:
+        try:
+            return bool(self.fs.isdir(self.root))
+        except Exception as exc:
+            raise self._wrap(exc, "", "stat") from exc
+
     def list(self) -> dict[str, int]:
+        return {path: info.size for path, info in self.list_detail().items()}
+
+    def list_detail(self) -> dict[str, FileInfo]:
         try:
             self.fs.invalidate_cache(self.root)
             found = self.fs.find(self.root, detail=True, withdirs=False)
@@ -469,30 +373,11 @@ class FsspecStore(Store):
         except Exception as exc:
             raise self._wrap(exc, "", "listing") from exc
         prefix = self.root + "/"
-        out: dict[str, int] = {}
+        out: dict[str, FileInfo] = {}
         for name, info in found.items():
             if name.startswith(prefix) and info.get("type", "file") == "file":
-                out[name[len(prefix) :]] = int(info.get("size") or 0)
+                out[name[len(prefix) :]] = FileInfo(size=int(info.get("size") or 0), mtime=_mtime(info))
         return out
-
-    def pending_uploads(self) -> builtins.list[tuple[str, str]]:
-        if not hasattr(self.fs, "list_multipart_uploads"):
-            return []
-        bucket, _, prefix = self.root.partition("/")
-        try:
-            uploads = self.fs.list_multipart_uploads(bucket)
-        except Exception as exc:
-            raise self._wrap(exc, "", "listing multipart uploads") from exc
-        start = prefix + "/" if prefix else ""
-        return [(u["Key"][len(start) :], u["UploadId"]) for u in uploads if u["Key"].startswith(start)]
-
-    def abort_upload(self, path: str, upload_id: str) -> None:
-        bucket, _, prefix = self.root.partition("/")
-        key = f"{prefix}/{path}" if prefix else path
-        try:
-            self.fs.abort_mpu(bucket, key, upload_id)
-        except Exception as exc:
-            raise self._wrap(exc, path, "aborting a multipart upload", writing=True) from exc
 
     def delete(self, path: str) -> None:
         try:

@@ -8,6 +8,7 @@ This store sends such a path to the base's store, which ``open_base`` hands over
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import mmap
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ class RoutedStore(Store):
     def __init__(self, own: Store, open_base: Callable[[str], Store]) -> None:
         self.own = own
         self.url = own.url
-        self.capabilities = own.capabilities
+        self.capabilities = dataclasses.replace(own.capabilities, references=True)
         self._open_base = open_base
         self._bases: dict[str, Store] = {}
         self._lock = threading.Lock()

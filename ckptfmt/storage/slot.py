@@ -44,7 +44,9 @@ class InPlaceOutput(OutputFile):
             os.close(dir_fd)
             self._dir_fd = None
             if exc.errno == errno.ELOOP:
-                raise UnsafePathError("is a symlink; slots follow none", path=rel, requirement="PTH-3") from exc
+                raise UnsafePathError(
+                    "is a symlink; slots follow none", problem="symlink", path=rel, requirement="PTH-3"
+                ) from exc
             raise StorageError(f"cannot open for rewriting: {exc}", path=rel) from exc
         self._offset = 0
 

@@ -32,20 +32,14 @@ from .holdings import PEER_PREFIX
 from .nodes import NodeMap
 from .persist import lower_thread_priority
 from .ring import MemoryTier, private_dir_problem
-from .wire import receive_files, send_files
+from .wire import ReplicaDropped, receive_files, send_files
 
 log = logging.getLogger("ckptfmt")
 ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags above
 _HAVE = ROUND_TAGS // 2  # a round's have-lists travel on its tag plus this: a thread never receives another's message
 
 
-class ReplicaDropped(CollectiveError):
-    """A replica round gave up because its snapshot's slot was rewritten by a newer snapshot (the partner lags)."""
-
-    code = "replica_dropped"
-
-
-DROPPED = "replica dropped"  # how a receiver learns it from the sender's abort message
+DROPPED = "replica dropped"  # how a ReplicaDropped's message begins (the receiver's says which rank sent it)
 
 
 def peer_dir(tier: MemoryTier, source: int, round_no: int) -> str:
@@ -229,15 +223,14 @@ class Replicator:
 
 
 def _dropped(future: Future[int]) -> bool:
-    exc = future.exception()
-    return exc is not None and (isinstance(exc, ReplicaDropped) or DROPPED in str(exc))
+    return isinstance(future.exception(), ReplicaDropped)
 
 
 def _value(future: Future[int], failures: list[str], what: str) -> int:
     exc = future.exception()
     if exc is None:
         return future.result()
-    if isinstance(exc, ReplicaDropped) or DROPPED in str(exc):
+    if isinstance(exc, ReplicaDropped):
         log.info("replica %s: %s", what, exc)  # the partner lags: an older copy stays, the next round catches up
         return 0
     message = f"{what} failed: {type(exc).__name__}: {exc}"

@@ -32,7 +32,18 @@ from ..paths import MANIFEST_NAME, check_path
 from ..storage import Store
 
 PIECE_BYTES = 8 << 20
-_OK, _ABORT = 0, 1
+
+
+class ReplicaDropped(CollectiveError):
+    """A replica round gave up because its snapshot's slot was rewritten by a newer snapshot (the partner lags):
+    raised by the sender's ``still_valid``, and by the receiver when the sender aborts for that reason."""
+
+    code = "replica_dropped"
+
+
+# a piece's status: its bytes follow; the sender could not read the file; the sender's source is being rewritten
+# (``still_valid``), so the receiver raises ReplicaDropped: an abort's message follows
+_OK, _ABORT, _DROPPED = 0, 1, 2
 _PIECE_HEAD = struct.Struct("<BQ")  # status, xxh3-64 of the payload
 
 
@@ -73,7 +84,7 @@ def send_files(
     for path in paths:
         gone = still_valid() if still_valid is not None else None
         if gone is not None:
-            channel.send(_PIECE_HEAD.pack(_ABORT, 0) + str(gone).encode("utf-8")[:4096], dst=dst, tag=tag)
+            channel.send(_PIECE_HEAD.pack(_DROPPED, 0) + str(gone).encode("utf-8")[:4096], dst=dst, tag=tag)
             raise gone
         size = records[path].size
         position = 0
@@ -164,8 +175,8 @@ def _receive_file(
                 raise CollectiveError(f"rank {src} sent a truncated piece", path=record.path)
             status, expected = _PIECE_HEAD.unpack_from(message)
             payload = memoryview(message)[_PIECE_HEAD.size :]
-            if status == _ABORT:
-                raise CollectiveError(
+            if status in (_ABORT, _DROPPED):
+                raise (ReplicaDropped if status == _DROPPED else CollectiveError)(
                     f"rank {src} could not send it: {bytes(payload).decode('utf-8', 'replace')}", path=record.path
                 )
             if len(payload) > record.size - position:
