@@ -122,7 +122,7 @@ def open_local(loc: Location) -> int:
     except MissingFileError:
         raise CheckpointNotFoundError("no such file or directory", path=loc.url) from None
     except UnsafePathError as exc:
-        linked = "symlink" in exc.message
+        linked = exc.problem == "symlink"
         hint = "; to convert linked files (a Hugging Face cache), copy them with `cp -rL`" if linked else ""
         raise UnsafePathError(f"{exc.message} (below the source {loc.root}){hint}", path=loc.url) from exc
     except StorageError as exc:
