@@ -1,6 +1,6 @@
 """CkptfmtCheckpointIO end to end on CPU: train a tiny LightningModule (dropout, shuffled data, an LR
 scheduler), kill it, resume with ``fit(ckpt_path=...)`` from the ckptfmt checkpoint, compare with the
-uninterrupted run."""
+uninterrupted run; mid-epoch with a ResumableDataLoader as Lightning's stateful loader."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckptfmt
 from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+from ckptfmt.torch import ResumableDataLoader
 
 EPOCHS = 4
 
@@ -37,6 +38,15 @@ class Net(pl.LightningModule):
 
 class Killed(Exception):
     pass
+
+
+class KillAtStep(Callback):  # type: ignore[misc]
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+        if trainer.global_step == self.step:
+            raise Killed(f"killed before step {self.step + 1}")
 
 
 class KillAtEpoch(Callback):  # type: ignore[misc]
@@ -157,3 +167,88 @@ def test_a_plugin_checkpoint_exports_to_a_plain_ckpt(runs: tuple[Path, Net, Path
             assert torch.equal(tensor, torch.from_numpy(ckpt.read_tensor("weights", name)))
     assert plain["lr_schedulers"][0]["step_size"] == 2
     assert "fit_loop" in plain["loops"]
+
+
+# ---------------------------------------------------------------- mid-epoch, through Lightning's stateful loader
+
+
+class Seen(Net):
+    """Records the sample indices of every batch it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y, ids = batch
+        self.seen.append(ids.tolist())
+        return super().training_step((x, y), index)
+
+
+def resumable() -> ResumableDataLoader[Any]:
+    gen = torch.Generator().manual_seed(1)
+    n = 24  # 6 whole batches an epoch: the iterator is never asked for the StopIteration after the last
+    dataset = TensorDataset(torch.randn(n, 4, generator=gen), torch.randn(n, 1, generator=gen), torch.arange(n))
+    return ResumableDataLoader(dataset, batch_size=4, seed=7)
+
+
+def fit_resumable(root: Path, *, kill: int | None = None, ckpt: Path | None = None, seed: int = 0) -> Seen:
+    pl.seed_everything(seed, verbose=False)
+    model = Seen()
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)]
+    if kill is not None:
+        callbacks.append(KillAtStep(kill))
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[CkptfmtCheckpointIO()],
+        callbacks=callbacks,
+    )
+    try:
+        trainer.fit(model, resumable(), ckpt_path=str(ckpt) if ckpt else None)
+    except Killed:
+        pass
+    return model
+
+
+@pytest.fixture(scope="module")
+def resumable_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Seen, Seen, Path]:
+    """(the uninterrupted run, a run killed after step 10 of 12, the root of the killed run's checkpoints)."""
+    tmp = tmp_path_factory.mktemp("resumable")
+    full = fit_resumable(tmp / "full")
+    killed = fit_resumable(tmp / "killed", kill=10)
+    return full, killed, tmp / "killed"
+
+
+def test_a_resumable_loader_serves_every_epoch_under_lightning(resumable_runs: tuple[Seen, Seen, Path]) -> None:
+    """Lightning never asks for the StopIteration that ends an epoch (it knows its length): the next
+    epoch's iterator must not be taken for a rival loop."""
+    full, _, _ = resumable_runs
+    assert len(full.seen) == 12
+    for epoch in (full.seen[:6], full.seen[6:]):
+        assert sorted(i for batch in epoch for i in batch) == list(range(24))
+    assert full.seen[:6] != full.seen[6:]
+
+
+@pytest.mark.parametrize("step", [4, 8])
+def test_mid_epoch_resume_continues_with_the_next_unseen_batch(
+    resumable_runs: tuple[Seen, Seen, Path], tmp_path: Path, step: int
+) -> None:
+    """Killed after step 10, resumed from the save at step 4 (epoch 0) or 8 (epoch 1, batch 2 of 6): the
+    batches trained on before the save and after the resume are the uninterrupted run's, none twice, none
+    skipped, and the final weights are bit-identical."""
+    full, killed, root = resumable_runs
+    assert len(killed.seen) == 10
+    name = f"epoch={step // 6}-step={step}.ckpt"
+    with ckptfmt.open(root / name) as ckpt:  # the loader's position is in Lightning's loop state
+        loops = ckpt.read_context("lightning")["checkpoint"]["loops"]
+        (state,) = loops["fit_loop"]["state_dict"]["combined_loader"]
+        assert (state["epoch"], state["global_sample_offset"]) == (step // 6, (step % 6) * 4)
+    resumed = fit_resumable(tmp_path, ckpt=root / name, seed=123)
+    assert killed.seen[:step] + resumed.seen == full.seen
+    for (name, mine), theirs in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
