@@ -1,16 +1,20 @@
 """CkptfmtCheckpointIO end to end on CPU: train a tiny LightningModule (dropout, shuffled data, an LR
 scheduler), kill it, resume with ``fit(ckpt_path=...)`` from the ckptfmt checkpoint, compare with the
-uninterrupted run; mid-epoch with a ResumableDataLoader as Lightning's stateful loader."""
+uninterrupted run; mid-epoch with a ResumableDataLoader as Lightning's stateful loader; every rank's RNG on
+two DDP ranks (gloo on loopback)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from process_ranks import launch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -252,3 +256,46 @@ def test_mid_epoch_resume_continues_with_the_next_unseen_batch(
     assert killed.seen[:step] + resumed.seen == full.seen
     for (name, mine), theirs in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs), name
+
+
+# ---------------------------------------------------------------- every rank's generators (DDP, two processes)
+
+
+def test_every_rank_resumes_with_its_own_generators(tmp_path: Path) -> None:
+    """Two DDP processes whose generators part ways: the checkpoint holds both ranks' (gathered by the plugin's
+    callback), each rank restores its own, and a mid-epoch resume ends bit-identical on both; the same resume
+    with rank 0's generators on every rank (what writing rank 0's alone amounts to) does not."""
+    launch(Path(__file__).with_name("lightning_ddp_worker.py"), [str(tmp_path)], 2)
+    with ckptfmt.open(tmp_path / "killed" / "epoch=1-step=6.ckpt") as ckpt:
+        field = ckpt.read_context("rng")
+        assert ckpt.read_context("topology")["world_size"] == 2
+    first, second = (r["generators"] for r in field["ranks"])
+    assert set(first) == set(second) >= {"torch", "python", "numpy"}
+    assert not np.array_equal(first["torch"]["state"], second["torch"]["state"])
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert len(result["full"]) == 8
+        assert result["killed"][:6] + result["resumed"] == result["full"], rank
+        assert result["resumed_identical"], rank
+        assert not result["rank0_rng_identical"], rank  # negative control
+
+
+def checkpoint_dict(**extra: Any) -> dict[str, Any]:
+    return {"state_dict": {"w": torch.zeros(2)}, "epoch": 0, "global_step": 1, **extra}
+
+
+def test_a_multi_rank_save_without_the_callback_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from ckptfmt.errors import UsageError
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    io = CkptfmtCheckpointIO()
+    with pytest.raises(UsageError, match=r"callbacks=\[io.rng_callback"):
+        io.save_checkpoint(checkpoint_dict(optimizer_states=[]), tmp_path / "full.ckpt")
+    assert not (tmp_path / "full.ckpt").exists()
+    io.save_checkpoint(checkpoint_dict(), tmp_path / "weights.ckpt")  # weights only: no callback ran, none to write
+    with ckptfmt.open(tmp_path / "weights.ckpt") as ckpt:
+        assert ckpt.read_context("rng") == {"generators": {}}

@@ -88,7 +88,8 @@ class ResumableDataLoader(DataLoader[T]):
                 raise UsageError(
                     f"ResumableDataLoader does not take {name}=: it builds its own seeded ResumableSampler and "
                     "generator (pass seed=, shuffle=, rank=, world_size=); for a custom sampler use a DataLoader "
-                    "with a ResumableSampler and call sampler.advance() after every step"
+                    "with a ResumableSampler and call sampler.advance() after every step. Under Lightning's DDP pass "
+                    "Trainer(use_distributed_sampler=False): this loader takes its rank's share itself"
                 )
         if refused:
             raise TypeError(f"unexpected arguments: {', '.join(sorted(refused))}")
