@@ -74,8 +74,14 @@ def fit(root: Path, *, kill: int | None = None, ckpt: Path | None = None, seed: 
     callbacks: list[Any] = [ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1)]
     if kill is not None:
         callbacks.append(KillAtEpoch(kill))
+    run(model, data(), callbacks, EPOCHS, ckpt, **io)
+    return model
+
+
+def run(model: Net, loader: Any, callbacks: list[Any], epochs: int, ckpt: Path | None, **io: Any) -> None:
+    """``fit`` on the CPU, quietly, through the ckptfmt plugin; a :class:`Killed` run just ends."""
     trainer = pl.Trainer(
-        max_epochs=EPOCHS,
+        max_epochs=epochs,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
@@ -85,10 +91,9 @@ def fit(root: Path, *, kill: int | None = None, ckpt: Path | None = None, seed: 
         callbacks=callbacks,
     )
     try:
-        trainer.fit(model, data(), ckpt_path=str(ckpt) if ckpt else None)
+        trainer.fit(model, loader, ckpt_path=str(ckpt) if ckpt else None)
     except Killed:
         pass
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -202,20 +207,7 @@ def fit_resumable(root: Path, *, kill: int | None = None, ckpt: Path | None = No
     callbacks: list[Any] = [ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)]
     if kill is not None:
         callbacks.append(KillAtStep(kill))
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        plugins=[CkptfmtCheckpointIO()],
-        callbacks=callbacks,
-    )
-    try:
-        trainer.fit(model, resumable(), ckpt_path=str(ckpt) if ckpt else None)
-    except Killed:
-        pass
+    run(model, resumable(), callbacks, 2, ckpt)
     return model
 
 
