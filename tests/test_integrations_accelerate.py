@@ -1,16 +1,18 @@
 """ckptfmt.integrations.accelerate end to end on CPU: a tiny Accelerate loop (dropout, shuffled data,
 an LR scheduler) saves through ckptfmt, is killed, resumes from the ckptfmt checkpoint alone and ends
-bit-identical to the uninterrupted run."""
+bit-identical to the uninterrupted run; two processes with local disks of their own save and load alike."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from process_ranks import launch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptfmt
@@ -117,3 +119,28 @@ def test_accelerate_directory_round_trip(tmp_path: Path) -> None:
         for key, value in entries.items():
             assert torch.equal(optimizer2.state_dict()["state"][pid][key], value)
     assert scheduler2.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
+
+
+def test_processes_with_their_own_local_disks_save_and_load(tmp_path: Path) -> None:
+    """Two processes, each with a TMPDIR no other may touch (as on two nodes; see accelerate_worker.py): the
+    checkpoint holds both processes' generators, and each gets its own back and ends bit-identical."""
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    for disk in disks:
+        disk.mkdir()
+    env = [{"TMPDIR": str(disk), "CKPTFMT_TEST_FOREIGN": str(disks[1 - r])} for r, disk in enumerate(disks)]
+    launch(Path(__file__).with_name("accelerate_worker.py"), [str(tmp_path / "ckpt")], 2, env=env)
+    with ckptfmt.open(tmp_path / "ckpt") as ckpt:
+        assert ckpt.verify().ok
+        generators = ckpt.read_context("rng")["generators"]
+        assert ckpt.read_context("topology")["world_size"] == 2
+    assert {"rank0/torch", "rank1/torch"} <= set(generators), sorted(generators)
+    assert not np.array_equal(generators["rank0/torch"]["state"], generators["rank1/torch"]["state"])
+    assert [list(disk.glob("ckptfmt-*")) for disk in disks] == [[], []]  # the staging directories are gone
+
+
+def test_a_given_staging_directory_holds_one_directory_per_process(tmp_path: Path) -> None:
+    accelerator = setup()[0]
+    save_state(accelerator, tmp_path / "ckpt", step=0, data={"epoch": 0, "global_sample_offset": 0}, staging=tmp_path)
+    assert (tmp_path / "process-0" / "random_states_0.pkl").is_file()  # left for the caller
+    assert load_state(accelerator, tmp_path / "ckpt", staging=tmp_path / "load")["step"] == 0
+    assert (tmp_path / "load" / "process-0" / "model.safetensors").is_file()

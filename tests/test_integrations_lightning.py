@@ -1,21 +1,26 @@
 """CkptfmtCheckpointIO end to end on CPU: train a tiny LightningModule (dropout, shuffled data, an LR
 scheduler), kill it, resume with ``fit(ckpt_path=...)`` from the ckptfmt checkpoint, compare with the
-uninterrupted run."""
+uninterrupted run; mid-epoch with a ResumableDataLoader as Lightning's stateful loader; every rank's RNG on
+two DDP ranks (gloo on loopback)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from process_ranks import launch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptfmt
 from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+from ckptfmt.torch import ResumableDataLoader
 
 EPOCHS = 4
 
@@ -39,6 +44,15 @@ class Killed(Exception):
     pass
 
 
+class KillAtStep(Callback):  # type: ignore[misc]
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+        if trainer.global_step == self.step:
+            raise Killed(f"killed before step {self.step + 1}")
+
+
 class KillAtEpoch(Callback):  # type: ignore[misc]
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -60,8 +74,14 @@ def fit(root: Path, *, kill: int | None = None, ckpt: Path | None = None, seed: 
     callbacks: list[Any] = [ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1)]
     if kill is not None:
         callbacks.append(KillAtEpoch(kill))
+    run(model, data(), callbacks, EPOCHS, ckpt, **io)
+    return model
+
+
+def run(model: Net, loader: Any, callbacks: list[Any], epochs: int, ckpt: Path | None, **io: Any) -> None:
+    """``fit`` on the CPU, quietly, through the ckptfmt plugin; a :class:`Killed` run just ends."""
     trainer = pl.Trainer(
-        max_epochs=EPOCHS,
+        max_epochs=epochs,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
@@ -71,10 +91,9 @@ def fit(root: Path, *, kill: int | None = None, ckpt: Path | None = None, seed: 
         callbacks=callbacks,
     )
     try:
-        trainer.fit(model, data(), ckpt_path=str(ckpt) if ckpt else None)
+        trainer.fit(model, loader, ckpt_path=str(ckpt) if ckpt else None)
     except Killed:
         pass
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +176,118 @@ def test_a_plugin_checkpoint_exports_to_a_plain_ckpt(runs: tuple[Path, Net, Path
             assert torch.equal(tensor, torch.from_numpy(ckpt.read_tensor("weights", name)))
     assert plain["lr_schedulers"][0]["step_size"] == 2
     assert "fit_loop" in plain["loops"]
+
+
+# ---------------------------------------------------------------- mid-epoch, through Lightning's stateful loader
+
+
+class Seen(Net):
+    """Records the sample indices of every batch it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y, ids = batch
+        self.seen.append(ids.tolist())
+        return super().training_step((x, y), index)
+
+
+def resumable() -> ResumableDataLoader[Any]:
+    gen = torch.Generator().manual_seed(1)
+    n = 24  # 6 whole batches an epoch: the iterator is never asked for the StopIteration after the last
+    dataset = TensorDataset(torch.randn(n, 4, generator=gen), torch.randn(n, 1, generator=gen), torch.arange(n))
+    return ResumableDataLoader(dataset, batch_size=4, seed=7)
+
+
+def fit_resumable(root: Path, *, kill: int | None = None, ckpt: Path | None = None, seed: int = 0) -> Seen:
+    pl.seed_everything(seed, verbose=False)
+    model = Seen()
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)]
+    if kill is not None:
+        callbacks.append(KillAtStep(kill))
+    run(model, resumable(), callbacks, 2, ckpt)
+    return model
+
+
+@pytest.fixture(scope="module")
+def resumable_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Seen, Seen, Path]:
+    """(the uninterrupted run, a run killed after step 10 of 12, the root of the killed run's checkpoints)."""
+    tmp = tmp_path_factory.mktemp("resumable")
+    full = fit_resumable(tmp / "full")
+    killed = fit_resumable(tmp / "killed", kill=10)
+    return full, killed, tmp / "killed"
+
+
+def test_a_resumable_loader_serves_every_epoch_under_lightning(resumable_runs: tuple[Seen, Seen, Path]) -> None:
+    """Lightning never asks for the StopIteration that ends an epoch (it knows its length): the next
+    epoch's iterator must not be taken for a rival loop."""
+    full, _, _ = resumable_runs
+    assert len(full.seen) == 12
+    for epoch in (full.seen[:6], full.seen[6:]):
+        assert sorted(i for batch in epoch for i in batch) == list(range(24))
+    assert full.seen[:6] != full.seen[6:]
+
+
+@pytest.mark.parametrize("step", [4, 8])
+def test_mid_epoch_resume_continues_with_the_next_unseen_batch(
+    resumable_runs: tuple[Seen, Seen, Path], tmp_path: Path, step: int
+) -> None:
+    """Killed after step 10, resumed from the save at step 4 (epoch 0) or 8 (epoch 1, batch 2 of 6): the
+    batches trained on before the save and after the resume are the uninterrupted run's, none twice, none
+    skipped, and the final weights are bit-identical."""
+    full, killed, root = resumable_runs
+    assert len(killed.seen) == 10
+    name = f"epoch={step // 6}-step={step}.ckpt"
+    with ckptfmt.open(root / name) as ckpt:  # the loader's position is in Lightning's loop state
+        loops = ckpt.read_context("lightning")["checkpoint"]["loops"]
+        (state,) = loops["fit_loop"]["state_dict"]["combined_loader"]
+        assert (state["epoch"], state["global_sample_offset"]) == (step // 6, (step % 6) * 4)
+    resumed = fit_resumable(tmp_path, ckpt=root / name, seed=123)
+    assert killed.seen[:step] + resumed.seen == full.seen
+    for (name, mine), theirs in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+# ---------------------------------------------------------------- every rank's generators (DDP, two processes)
+
+
+def test_every_rank_resumes_with_its_own_generators(tmp_path: Path) -> None:
+    """Two DDP processes whose generators part ways: the checkpoint holds both ranks' (gathered by the plugin's
+    callback), each rank restores its own, and a mid-epoch resume ends bit-identical on both; the same resume
+    with rank 0's generators on every rank (what writing rank 0's alone amounts to) does not."""
+    launch(Path(__file__).with_name("lightning_ddp_worker.py"), [str(tmp_path)], 2)
+    with ckptfmt.open(tmp_path / "killed" / "epoch=1-step=6.ckpt") as ckpt:
+        field = ckpt.read_context("rng")
+        assert ckpt.read_context("topology")["world_size"] == 2
+    first, second = (r["generators"] for r in field["ranks"])
+    assert set(first) == set(second) >= {"torch", "python", "numpy"}
+    assert not np.array_equal(first["torch"]["state"], second["torch"]["state"])
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert len(result["full"]) == 8
+        assert result["killed"][:6] + result["resumed"] == result["full"], rank
+        assert result["resumed_identical"], rank
+        assert not result["rank0_rng_identical"], rank  # negative control
+
+
+def checkpoint_dict(**extra: Any) -> dict[str, Any]:
+    return {"state_dict": {"w": torch.zeros(2)}, "epoch": 0, "global_step": 1, **extra}
+
+
+def test_a_multi_rank_save_without_the_callback_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from ckptfmt.errors import UsageError
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    io = CkptfmtCheckpointIO()
+    with pytest.raises(UsageError, match=r"callbacks=\[io.rng_callback"):
+        io.save_checkpoint(checkpoint_dict(optimizer_states=[]), tmp_path / "full.ckpt")
+    assert not (tmp_path / "full.ckpt").exists()
+    io.save_checkpoint(checkpoint_dict(), tmp_path / "weights.ckpt")  # weights only: no callback ran, none to write
+    with ckptfmt.open(tmp_path / "weights.ckpt") as ckpt:
+        assert ckpt.read_context("rng") == {"generators": {}}

@@ -201,6 +201,46 @@ def test_one_live_iterator_at_a_time() -> None:
     assert [next(iter(loader)).tolist() for _ in range(3)] == take(make(), 3)
 
 
+@pytest.mark.parametrize("config", [{}, {"drop_last": True}, {"num_workers": 2}])
+def test_an_iterator_that_handed_out_its_epoch_is_not_a_rival(config: dict[str, Any]) -> None:
+    """A trainer that knows the epoch's length (Lightning) never asks the iterator for its StopIteration: the
+    next epoch's iterator starts while the spent one is still referenced."""
+    loader = make(**config)
+    per_epoch = 5 if config.get("drop_last") else 6
+    reference = epochs(make(**config), 2)
+    got: list[list[int]] = []
+    spent = []
+    for _ in range(2):
+        it = iter(loader)
+        got += [next(it).tolist() for _ in range(per_epoch)]
+        spent.append(it)  # kept alive, never exhausted
+    assert got == reference
+    it = iter(loader)
+    next(it)
+    with pytest.raises(UsageError, match="two loops over one sampler"):  # mid-epoch, a second loop still is
+        iter(loader)
+
+
+@pytest.mark.parametrize("config", [{}, {"drop_last": True}])
+def test_len_counts_the_whole_epoch_after_a_mid_epoch_resume(config: dict[str, Any]) -> None:
+    """``len(loader)`` is the epoch's batches on this rank, those handed out included, as a DataLoader's: what
+    Lightning counts a resumed epoch against (it skips none itself: the loader continues at its position)."""
+    per_epoch = 5 if config.get("drop_last") else 6
+    first = make(**config)
+    it = iter(first)
+    for k in range(per_epoch):
+        assert len(first) == per_epoch, k
+        next(it)
+    assert len(first) == per_epoch and first.epoch == 1
+    first = make(**config)
+    take(first, 3)
+    resumed = make(**config)
+    resumed.load_state_dict(first.state_dict())
+    assert len(resumed) == per_epoch
+    assert len(list(resumed)) == per_epoch - 3
+    assert len(make(**config, rank=1, world_size=2)) == (2 if config.get("drop_last") else 3)
+
+
 def test_sampler_refuses_two_live_iterators() -> None:
     sampler = ResumableSampler(N, seed=1)
     first = iter(sampler)

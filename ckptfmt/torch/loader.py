@@ -88,7 +88,8 @@ class ResumableDataLoader(DataLoader[T]):
                 raise UsageError(
                     f"ResumableDataLoader does not take {name}=: it builds its own seeded ResumableSampler and "
                     "generator (pass seed=, shuffle=, rank=, world_size=); for a custom sampler use a DataLoader "
-                    "with a ResumableSampler and call sampler.advance() after every step"
+                    "with a ResumableSampler and call sampler.advance() after every step. Under Lightning's DDP pass "
+                    "Trainer(use_distributed_sampler=False): this loader takes its rank's share itself"
                 )
         if refused:
             raise TypeError(f"unexpected arguments: {', '.join(sorted(refused))}")
@@ -154,6 +155,11 @@ class ResumableDataLoader(DataLoader[T]):
         previous = self._iterator  # kept by the DataLoader only with persistent workers: it is reused, not a rival
         if previous is not None:
             previous._sampler_iter = None
+        plan = sampler.plan
+        if plan is not None and plan.epoch != sampler.epoch:
+            # The iterator in flight handed out its epoch's last batch: it is spent, not a rival. A trainer that
+            # knows the epoch's length (Lightning) never asks it for the StopIteration that would end it.
+            sampler.end_iterator()
         if sampler.live:
             sampler.__iter__()  # raises the two-live-iterators error, naming the fix
         sampler._spent = None  # this loader ends epochs itself (_handed, _finished), knowing its batch size
@@ -161,6 +167,14 @@ class ResumableDataLoader(DataLoader[T]):
         # (seed, epoch, rank) so that a resumed process gives an epoch's workers the seed they had before.
         self._generator.manual_seed(_mix("workers", self.seed, sampler.epoch, sampler.rank))
         return _Handed(self, super().__iter__())
+
+    def __len__(self) -> int:
+        """Batches of the current epoch on this rank, those already handed out included (as a ``DataLoader``'s
+        and a ``StatefulDataLoader``'s: Lightning counts a resumed epoch's batches against it)."""
+        sampler = self.resumable_sampler
+        handed = sampler.consumed // sampler.world_size // self._per_batch
+        left = len(sampler)
+        return handed + (left // self._per_batch if self.drop_last else -(-left // self._per_batch))
 
     def _handed(self, it: _Handed[T]) -> None:
         """``it`` gave the trainer one more batch: the position moves past it."""
@@ -214,7 +228,7 @@ class _Handed(Iterator[T]):
         return batch
 
     def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]
+        return len(self._loader)
 
 
 def _mix(*parts: object) -> int:

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from .. import rng as base_rng
+from ..collective import Collective
+from ..context import decode, encode
 from ..errors import ContextError
 
 log = logging.getLogger("ckptfmt")
@@ -36,6 +38,15 @@ def with_ranks(fields: list[dict[str, Any]]) -> dict[str, Any]:
     holds each rank's ``{"generators": ...}``, since every rank draws from its own generators.
     """
     return {**fields[0], "ranks": [{"generators": f["generators"]} for f in fields]}
+
+
+def gather(field: Mapping[str, Any], collective: Collective | None) -> dict[str, Any] | None:
+    """Every rank's ``rng`` field (this process's is ``field``) as one, on rank 0 of ``collective``
+    (:func:`with_ranks`), None on the others; ``field`` itself without a collective. Every rank calls it."""
+    if collective is None:
+        return dict(field)
+    gathered = collective.gather(encode(field, where="field 'rng'"), dst=0)
+    return None if gathered is None else with_ranks([decode(g, field="rng") for g in gathered])
 
 
 def for_this_rank(field: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -193,6 +193,12 @@ class ResumableSampler:
                 gc.collect()  # an abandoned iterator caught in a reference cycle is not live
         return True
 
+    def end_iterator(self) -> None:
+        """End the iterator in flight, if any: its consumer is done with it (it hands out nothing more)."""
+        gen = self._live() if self._live is not None else None
+        if gen is not None:
+            gen.close()
+
     def __len__(self) -> int:
         return len(self._remaining_positions()) // self.world_size
 

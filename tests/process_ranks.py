@@ -1,0 +1,54 @@
+"""Ranks as processes on loopback: one script per rank under torch.distributed's environment variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def launch(
+    script: Path, args: Sequence[str], world: int, *, env: Sequence[Mapping[str, str]] = (), timeout: float = 180
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``script args`` once per rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* set, plus ``env[rank]``) and
+    wait for all; a rank that has not finished within ``timeout`` seconds kills them all and raises."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        variables = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            **(env[rank] if rank < len(env) else {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=variables,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""))
+    except subprocess.TimeoutExpired as exc:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"{script.name} on {world} ranks hung") from exc
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
+    return results
