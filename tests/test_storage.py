@@ -45,12 +45,25 @@ def put(store: Store, path: str, data: bytes) -> None:
         raise
 
 
+def applies_when(**flags: bool) -> pytest.MarkDecorator:
+    """A contract test only for backends whose class flags have these values: the others do not collect it
+    (tests/conftest.py deselects it), rather than skipping a test that cannot apply to them."""
+    return pytest.mark.applies_when(**flags)
+
+
 class StoreContract:
-    """What every Store promises. Subclasses set the class flags where their backend differs."""
+    """What every Store promises. Subclasses set the class flags where their backend differs; the flags that
+    are capabilities are checked against the store's own (test_the_declared_capabilities_are_the_stores)."""
 
     writable = True  # False: a read-only view; every write is refused with UsageError
     in_place = False  # True: create() writes under the final name (memory-tier slots), not published on commit
     listing_view = False  # True: answers only the paths listed when it was made (overlay); others are missing
+    local = True  # capabilities.local: a filesystem (paths, symlinks, special files)
+    exclusive_create = True  # capabilities.exclusive_create: put_exclusive is atomic under a race
+
+    def test_the_declared_capabilities_are_the_stores(self, store: Store) -> None:
+        caps = store.capabilities
+        assert (caps.local, caps.exclusive_create) == (self.local, self.exclusive_create)
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[Store]:
@@ -158,9 +171,8 @@ class StoreContract:
 
     # ------------------------------------------------------------ writing
 
+    @applies_when(writable=False)
     def test_a_read_only_store_refuses_every_write(self, store: Store) -> None:
-        if self.writable:
-            pytest.skip("writable")
         for call in (
             lambda: store.create("f"),
             lambda: store.put_exclusive("f", b"x"),
@@ -169,13 +181,8 @@ class StoreContract:
             with pytest.raises(UsageError):
                 call()
 
-    def writing(self, store: Store) -> Store:
-        if not self.writable:
-            pytest.skip("a read-only store")
-        return store
-
+    @applies_when(writable=True)
     def test_a_file_appears_whole_on_commit(self, store: Store) -> None:
-        store = self.writing(store)
         out = store.create("weights/f.bin")
         out.write(DATA[:1000])
         out.write(memoryview(DATA)[1000:])
@@ -185,8 +192,8 @@ class StoreContract:
         assert store.read("weights/f.bin") == DATA
         assert store.list() == {"weights/f.bin": len(DATA)}  # no temp file left behind
 
+    @applies_when(writable=True)
     def test_commit_replaces_an_old_file_never_truncating_it(self, store: Store) -> None:
-        store = self.writing(store)
         put(store, "f", DATA)
         out = store.create("f")
         out.write(b"short")
@@ -195,8 +202,8 @@ class StoreContract:
         out.commit()
         assert store.read("f") == b"short" and store.size("f") == 5
 
+    @applies_when(writable=True)
     def test_abort_leaves_nothing_and_is_idempotent(self, store: Store) -> None:
-        store = self.writing(store)
         out = store.create("weights/f.bin")
         out.write(DATA)
         out.abort()
@@ -205,18 +212,16 @@ class StoreContract:
         assert store.list() == {}
         assert store.pending_uploads() == []
 
+    @applies_when(writable=True)
     def test_put_exclusive_creates_once(self, store: Store) -> None:
-        store = self.writing(store)
         store.put_exclusive("manifest.json", b"{}")
         with pytest.raises(FileExistsError):
             store.put_exclusive("manifest.json", b"{ }")
         assert store.read("manifest.json") == b"{}"
         assert store.list() == {"manifest.json": 2}  # no probe or temp file left behind
 
+    @applies_when(writable=True, exclusive_create=True)
     def test_exclusive_create_capability_holds_under_a_race(self, store: Store) -> None:
-        store = self.writing(store)
-        if not store.capabilities.exclusive_create:
-            pytest.skip("no atomic exclusive create")
         won: list[int] = []
         barrier = threading.Barrier(4)
 
@@ -236,8 +241,8 @@ class StoreContract:
         assert len(won) == 1
         assert store.read(".writer-lock") == str(won[0]).encode()
 
+    @applies_when(writable=True)
     def test_delete_removes_a_file_and_ignores_a_missing_one(self, store: Store) -> None:
-        store = self.writing(store)
         put(store, "a/b.bin", b"b")
         put(store, "a/c.bin", b"c")
         store.delete("a/b.bin")
@@ -245,8 +250,8 @@ class StoreContract:
         store.delete("never/was")
         assert store.list() == {"a/c.bin": 1}
 
+    @applies_when(writable=True)
     def test_sync_and_empty_directory_removal(self, store: Store) -> None:
-        store = self.writing(store)
         put(store, "a/b/c.bin", b"c")
         put(store, "d.bin", b"d")
         store.sync_dirs(["a/b/c.bin", "d.bin"])
@@ -256,8 +261,8 @@ class StoreContract:
         if store.capabilities.local:
             assert not os.path.exists(os.path.join(store.url, "a"))
 
+    @applies_when(writable=True)
     def test_a_sibling_is_beside_the_root(self, store: Store) -> None:
-        store = self.writing(store)
         try:
             other = store.sibling("other")
         except UsageError:
@@ -268,10 +273,9 @@ class StoreContract:
 
     # ------------------------------------------------------------ safety (capabilities.local: a filesystem)
 
+    @applies_when(local=True)  # object stores name keys, not paths: nothing to escape
     @pytest.mark.parametrize("path", UNSAFE)
     def test_a_path_that_is_not_plain_is_refused(self, store: Store, path: str) -> None:
-        if not store.capabilities.local:
-            pytest.skip("object stores name keys, not paths: nothing to escape")
         calls: list[Callable[[], object]] = [lambda: store.read(path), lambda: store.size(path)]
         if self.writable:
             calls += [lambda: store.create(path), lambda: store.put_exclusive(path, b"x")]
@@ -281,10 +285,10 @@ class StoreContract:
                 call()
             assert self.listing_view or getattr(info.value, "problem", None) == "name"
 
+    # no symlinks or special files on an object store; a listing view's layers refuse them
+    @applies_when(local=True, listing_view=False)
     def test_local_means_symlinks_and_special_files_are_refused_by_category(self, holding: Holding) -> None:
         store = holding({"real/f.bin": b"x"})
-        if not store.capabilities.local or self.listing_view:
-            pytest.skip("no symlinks or special files on an object store; a listing view's layers refuse them")
         root = Path(store.url)
         (root / "link.bin").symlink_to(root / "real" / "f.bin")
         (root / "dirlink").symlink_to(root / "real")
@@ -342,12 +346,17 @@ class TestSlotStore(StoreContract):
 
 
 class TestMemoryStore(StoreContract):
+    local = False
+    exclusive_create = False  # memory:// has no atomic create-if-absent
+
     @pytest.fixture
     def store(self, memory_url: str) -> Iterator[Store]:
         yield open_store(memory_url)
 
 
 class TestS3Store(StoreContract):
+    local = False  # exclusive create: a conditional PUT (If-None-Match)
+
     @pytest.fixture
     def store(self, s3_url: str) -> Iterator[Store]:
         from ckptfmt.storage import S3Store
@@ -362,6 +371,7 @@ class TestOverlayStore(StoreContract):
 
     writable = False
     listing_view = True
+    exclusive_create = False
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[Store]:
