@@ -20,19 +20,15 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, SourceFormatError
 from .base import (
-    ConvertResult,
     Location,
-    NoProgress,
-    Progress,
-    converted_from,
     exists,
     fs_call,
     list_names,
-    locate,
     open_local,
 )
 from .bounded import check_expansion, check_graph, dedupe
 from .torch_bridge import Split, find_optimizers, pop_path, split_tree
+from .weights import SourceField, WeightsSource, importer, loaded
 
 SUFFIXES = (".pt", ".bin", ".pth")
 
@@ -186,44 +182,25 @@ def split_state(obj: object, url: str) -> tuple[Split, Split | None, list[str]]:
     return weights, merged, names
 
 
-def import_pt(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    import ckptfmt
-
-    progress = progress or NoProgress()
-    loc = find_file(locate(src, storage_options))
+def read_pt(src: Location) -> WeightsSource:
+    """The ``weights`` field (and ``optimizer``, when the file holds an optimizer state dict) of a state-dict
+    file (``src``, or the one in the directory ``src``), every tensor loaded (memory-mapped when local)."""
+    loc = find_file(src)
     weights, optimizer, opt_paths = split_state(load(loc), loc.url)
     if "aliases" not in weights.rest:  # a tensor under several names (tied weights) is stored once
         weights.tensors, aliases = dedupe(weights.tensors)
         if aliases:
             weights.rest["aliases"] = aliases
-    parts = [("weights", weights)] + ([("optimizer", optimizer)] if optimizer is not None else [])
-    check_expansion((t for _, part in parts for t in part.tensors.values()), loc.url)
-    total = sum(int(t.numel()) * t.element_size() for _, part in parts for t in part.tensors.values())
-    progress.start(total)
-    result = ConvertResult(source=loc.url, source_format="pt", destination=dst, destination_format="ckptfmt")
-    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
-    if target_file_size is not None:
-        options["target_file_size"] = target_file_size
-    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
-        for field, part in parts:
-            writer.write_tensors(field, {})
-            for name, tensor in part.tensors.items():
-                writer.write_tensor(field, name, tensor)
-                nbytes = int(tensor.numel()) * tensor.element_size()
-                result.tensors += 1
-                result.bytes += nbytes
-                progress.advance(nbytes)
-            if part.rest:
-                writer.write_context(field, part.rest)
-        extra: dict[str, object] = {"optimizer_keys": opt_paths} if opt_paths else {}
-        writer.write_context("provenance", converted_from("pt", loc.url, **extra))
-    result.checkpoint_id = writer.checkpoint_id
-    return result
+    parts = {"weights": weights} | ({"optimizer": optimizer} if optimizer is not None else {})
+    check_expansion((t for part in parts.values() for t in part.tensors.values()), loc.url)
+    return WeightsSource(
+        url=loc.url,
+        fields={
+            field: SourceField(tensors=[loaded(name, t) for name, t in part.tensors.items()], context=part.rest)
+            for field, part in parts.items()
+        },
+        provenance={"optimizer_keys": opt_paths} if opt_paths else {},
+    )
+
+
+import_pt = importer("pt", read_pt)
