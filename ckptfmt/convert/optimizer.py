@@ -72,6 +72,8 @@ def join_optimizer(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> di
     return {"state": state, "param_groups": groups, **extra}
 
 
-def join_optimizers(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each optimizer's state dict from the field (none when it is empty)."""
-    return [join_optimizer(mine, ctx) for mine, ctx in layout.parts(tensors, context)]
+def join_optimizers(
+    tensors: Mapping[str, Any], context: Mapping[str, Any], order: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Each optimizer's state dict from the field (none when it is empty); ``order``: see :func:`layout.parts`."""
+    return [join_optimizer(mine, ctx) for mine, ctx in layout.parts(tensors, context, order)]

@@ -201,7 +201,11 @@ def optimizer_states(ckpt: Any, contexts: Mapping[str, Mapping[str, Any]]) -> li
     """The state dict of each optimizer the checkpoint's ``optimizer`` field holds (none: an empty list)."""
     if "optimizer" not in ckpt.fields or ckpt.field("optimizer").kind != "tensors":
         return []
-    return join_optimizers(ckpt.read_tensors("optimizer"), contexts.get("optimizer", {}))
+    # a .pt import before 0.4 keyed several optimizers by their path, which its provenance lists in order
+    source = contexts.get("provenance", {}).get("converted_from")
+    order = source.get("optimizer_keys") if isinstance(source, Mapping) else None
+    order = [str(p) for p in order] if isinstance(order, list) else []
+    return join_optimizers(ckpt.read_tensors("optimizer"), contexts.get("optimizer", {}), order)
 
 
 def write_files(out: Location, files: Mapping[str, bytes], result: ConvertResult, progress: Progress | None) -> None:
