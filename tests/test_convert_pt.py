@@ -219,3 +219,40 @@ def test_the_former_pt_import_layout_still_exports(tmp_path: Path, several: bool
     for i, state in enumerate(states.values()):
         loaded = torch.load(tmp_path / "acc" / f"optimizer{f'_{i}' if i else ''}.bin", weights_only=True)
         _assert_same_state(loaded, state, note=5)
+
+
+def test_lbfgs_history_lists_are_kept(tmp_path: Path) -> None:
+    """LBFGS keeps tensors in lists (its history): stored as arrays in the state's scalars, restored as tensors."""
+    import ckptfmt.torch
+
+    def lbfgs(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 1)
+        return model, torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=3)
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(torch.randn(4, 3, generator=torch.Generator().manual_seed(0))).pow(2).mean()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)  # type: ignore[arg-type]
+
+    model, optimizer = lbfgs(0)
+    step(model, optimizer)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "lbfgs.pt")
+    out = str(tmp_path / "ours")
+    assert run_cli("convert", str(tmp_path / "lbfgs.pt"), out, "--to", "ckptfmt").exit_code == 0
+    fresh, again = lbfgs(1)
+    ckptfmt.torch.load(out, model=torch.nn.ModuleDict({"model": fresh}), optimizer=again, restore_rng=False)
+    step(model, optimizer)
+    step(fresh, again)
+    assert torch.equal(model.weight, fresh.weight) and torch.equal(model.bias, fresh.bias)
+
+
+def test_tensors_repeated_in_optimizer_lists_are_bounded(tmp_path: Path) -> None:
+    big = torch.zeros(1 << 18)  # 1 MiB, referenced 100 times in one parameter's "history"
+    torch.save({"o": {"state": {0: {"h": [big] * 100}}, "param_groups": [{"params": [0]}]}}, tmp_path / "amp.pt")
+    result = run_cli("convert", str(tmp_path / "amp.pt"), str(tmp_path / "out"), "--to", "ckptfmt", "--json")
+    assert result.exit_code == 1 and "amplification" in result.json()["error"]["message"]
