@@ -18,6 +18,12 @@ An optimizer state dict (``{"state": {param: {key: value}}, "param_groups": [...
 
 Several optimizers in one field (a Lightning or Accelerate source) are stored with their tensors
 prefixed ``<i>/`` and the context ``{"optimizers": [context, ...]}``, one per optimizer.
+
+Read, not written: the layout ckptfmt's ``.pt`` import wrote before 0.4, where the context was the
+state dict less its tensors (``{"param_groups": [...], "state": {"0": {"step": 3}}, ...}``: no
+``keys``, no ``scalars``) and several optimizers were keyed by their dotted path in the file
+(tensors ``<path>.state.0.exp_avg``, context ``{<path>: {...}}``). :func:`parts` reads it as the
+layout above (:func:`upgrade`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .arrays import torchify
-from .errors import ContextError
+from .errors import ContextError, UsageError
 
 INDEX = "index"
 FQN = "fqn"
@@ -107,6 +113,17 @@ def join_state(
     return state
 
 
+def check_class(context: Mapping[str, Any], name: str) -> None:
+    """Refuse restoring state saved from another optimizer class into an optimizer of class ``name``.
+
+    A context that names no class was converted from a file that does not say (a ``.pt`` or Lightning
+    state dict): it is taken as the caller's, the param groups still checked by the caller.
+    """
+    saved = context.get("class")
+    if saved is not None and saved != name:
+        raise UsageError(f"checkpoint holds {saved} state, the optimizer is {name}")
+
+
 def param_groups(groups: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
     """Stored param groups as torch's optimizers take them."""
     # msgpack turns tuples (betas) into lists; torch's optimizers accept either, but keep them tuples
@@ -125,8 +142,16 @@ def merge(parts: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> tuple
     return tensors, ({"optimizers": contexts} if contexts else {})
 
 
-def parts(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """The inverse of :func:`merge`: each optimizer's (tensors, context); none for an empty field."""
+def parts(
+    tensors: Mapping[str, Any], context: Mapping[str, Any], order: Sequence[str] = ()
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The inverse of :func:`merge`: each optimizer's (tensors, context); none for an empty field.
+
+    A field in the ``.pt`` import's former layout comes back in this one (:func:`upgrade`, ``order``).
+    """
+    legacy = upgrade(tensors, context, order)
+    if legacy is not None:
+        return legacy
     if "optimizers" in context:
         out = []
         for i, ctx in enumerate(context["optimizers"]):
@@ -136,3 +161,35 @@ def parts(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> list[tuple[
     if tensors or context.get("param_groups"):  # an empty field: the source had no optimizer
         return [(dict(tensors), dict(context))]
     return []
+
+
+_CURRENT = ("keys", "scalars", "optimizers")
+
+
+def upgrade(
+    tensors: Mapping[str, Any], context: Mapping[str, Any], order: Sequence[str] = ()
+) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+    """Each optimizer's (tensors, context) of a field in the ``.pt`` import's former layout; None for any other.
+
+    That layout is the one whose context holds none of ``keys``, ``scalars`` and ``optimizers``: either one
+    state dict less its tensors (``param_groups``, non-tensor ``state``, other keys), or several keyed by
+    their dotted path in the file, each such (their tensors prefixed ``<path>.``). A context's keys come
+    back sorted: ``order`` (the provenance's ``optimizer_keys``) gives the paths' order in the file.
+    """
+    if any(k in context for k in _CURRENT):
+        return None
+    if "param_groups" in context:
+        return [_upgraded(dict(tensors), context)]
+    if not context or not all(isinstance(v, Mapping) and "param_groups" in v for v in context.values()):
+        return None
+    paths = [p for p in order if p in context] + [p for p in context if p not in order]
+    return [
+        _upgraded({k.removeprefix(f"{p}."): v for k, v in tensors.items() if k.startswith(f"{p}.")}, context[p])
+        for p in paths
+    ]
+
+
+def _upgraded(tensors: dict[str, Any], old: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    extra = {k: v for k, v in old.items() if k not in ("state", "param_groups")}
+    scalars = {str(p): dict(v) for p, v in dict(old.get("state") or {}).items() if isinstance(v, Mapping) and v}
+    return tensors, context(keys=INDEX, param_groups=old["param_groups"], scalars=scalars, extra=extra)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ckptfmt import optimizer_layout as layout
-from ckptfmt.errors import ContextError
+from ckptfmt.errors import ContextError, UsageError
 
 
 @pytest.mark.parametrize("keys", layout.SCHEMES)
@@ -55,3 +55,25 @@ def test_merge_and_parts_are_inverse() -> None:
 
 def test_param_groups_keep_betas_a_tuple() -> None:
     assert layout.param_groups([{"betas": [0.9, 0.99], "lr": 1.0}]) == [{"betas": (0.9, 0.99), "lr": 1.0}]
+
+
+def test_the_class_is_checked_when_the_checkpoint_names_one() -> None:
+    layout.check_class({"class": "AdamW"}, "AdamW")
+    layout.check_class({}, "SGD")  # converted from a file that names none (.pt, Lightning)
+    with pytest.raises(UsageError, match="holds AdamW state, the optimizer is SGD"):
+        layout.check_class({"class": "AdamW"}, "SGD")
+
+
+def test_the_former_pt_import_layout_reads_as_this_one() -> None:
+    groups = [{"params": [0], "lr": 1.0}]
+    one = {"param_groups": groups, "state": {"0": {"note": 5}}, "defaults": 1}
+    [(tensors, context)] = layout.parts({"state.0.m": "M"}, one)
+    assert tensors == {"state.0.m": "M"}
+    assert context == layout.context(
+        keys="index", param_groups=groups, scalars={"0": {"note": 5}}, extra={"defaults": 1}
+    )
+    several = {"a.b": {"param_groups": groups}, "c": {"param_groups": groups}}
+    found = layout.parts({"a.b.state.0.m": 1, "c.state.0.m": 2}, several, order=["c", "a.b"])
+    assert [t for t, _ in found] == [{"state.0.m": 2}, {"state.0.m": 1}]
+    current = layout.context(keys="index", param_groups=groups, scalars={})
+    assert layout.upgrade({}, current) is None and layout.upgrade({}, {}) is None

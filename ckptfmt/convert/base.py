@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -272,6 +274,23 @@ def refuse_existing(loc: Location, names: list[str], overwrite: bool) -> None:
 def converted_from(fmt: str, url: str, **extra: object) -> dict[str, object]:
     """The provenance of a converted checkpoint: only what the tool knows (the writer adds who and when)."""
     return {"converted_from": {"format": fmt, "url": url, **extra}}
+
+
+def writer_options(
+    storage_options: Mapping[str, Any] | None, overwrite: bool, target_file_size: int | None
+) -> dict[str, Any]:
+    """``ckptfmt.open_writer``'s options for an import (no target file size given: the writer's default)."""
+    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
+    if target_file_size is not None:
+        options["target_file_size"] = target_file_size
+    return options
+
+
+def nbytes(value: Any) -> int:
+    """The bytes of a numpy array or a torch tensor."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    return int(value.numel()) * int(value.element_size())
 
 
 def parse_size(value: str | int) -> int:

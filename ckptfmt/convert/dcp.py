@@ -15,6 +15,7 @@ import io
 import pickle
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,6 @@ from .base import (
     Location,
     NoProgress,
     Progress,
-    converted_from,
     exists,
     fs_call,
     locate,
@@ -33,8 +33,17 @@ from .base import (
     read_range,
     refuse_links,
 )
-from .dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, DcpMetadata, StoredItem, parse_metadata
+from .dcp_metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    ChunkInfo,
+    DcpMetadata,
+    StoredItem,
+    TensorInfo,
+    parse_metadata,
+)
 from .torch_bridge import context_value, is_tensor, to_torch
+from .weights import Chunk, SourceField, SourceTensor, WeightsSource, importer
 
 
 def read_metadata(loc: Location) -> DcpMetadata:
@@ -63,51 +72,44 @@ def load_item(loc: Location, item: StoredItem, fqn: str) -> Any:
         ) from exc
 
 
-def import_dcp(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    import ckptfmt
+def _chunk(loc: Location, fqn: str, info: TensorInfo, chunk: ChunkInfo) -> Any:
+    """One stored chunk, refused unless it is the tensor the metadata says."""
+    tensor = load_item(loc, chunk.item, fqn)
+    if not is_tensor(tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != info.dtype:
+        got = f"{getattr(tensor, 'dtype', type(tensor).__name__)}{list(getattr(tensor, 'shape', []))}"
+        raise SourceFormatError(
+            f"{fqn!r} chunk at {list(chunk.offsets)}: metadata says {info.dtype}{list(chunk.sizes)}, "
+            f"stored value is {got}",
+            path=chunk.item.relative_path,
+        )
+    return tensor
 
-    progress = progress or NoProgress()
-    loc = locate(src, storage_options)
+
+def read_dcp(loc: Location) -> WeightsSource:
+    """The ``weights`` field of a DCP checkpoint: its tensors with their DCP geometry (each chunk read when
+    written), its non-tensor values (read now) as the context."""
     md = read_metadata(loc)
-    progress.start(sum(c.item.length for t in md.tensors.values() for c in t.chunks))
-    result = ConvertResult(source=loc.url, source_format="dcp", destination=dst, destination_format="ckptfmt")
-    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
-    if target_file_size is not None:
-        options["target_file_size"] = target_file_size
-    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
-        writer.write_tensors("weights", {})
-        for fqn, info in md.tensors.items():
-            whole = len(info.chunks) == 1 and info.chunks[0].sizes == info.size
-            for chunk in info.chunks:
-                tensor = load_item(loc, chunk.item, fqn)
-                if not is_tensor(tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != info.dtype:
-                    got = f"{getattr(tensor, 'dtype', type(tensor).__name__)}{list(getattr(tensor, 'shape', []))}"
-                    raise SourceFormatError(
-                        f"{fqn!r} chunk at {list(chunk.offsets)}: metadata says {info.dtype}{list(chunk.sizes)}, "
-                        f"stored value is {got}",
-                        path=chunk.item.relative_path,
-                    )
-                if whole:
-                    writer.write_tensor("weights", fqn, tensor)
-                else:
-                    writer.write_tensor("weights", fqn, tensor, global_shape=info.size, offsets=chunk.offsets)
-                result.bytes += int(tensor.numel()) * tensor.element_size()
-                progress.advance(chunk.item.length)
-            result.tensors += 1
-        values = {fqn: context_value(load_item(loc, item, fqn), fqn) for fqn, item in md.blobs.items()}
-        if values:
-            writer.write_context("weights", values)
-        writer.write_context("provenance", converted_from("dcp", loc.url, dcp_version=md.version))
-    result.checkpoint_id = writer.checkpoint_id
-    return result
+    tensors = []
+    for fqn, info in md.tensors.items():
+        whole = len(info.chunks) == 1 and info.chunks[0].sizes == info.size
+        chunks = [
+            Chunk(
+                read=partial(_chunk, loc, fqn, info, chunk),
+                size=chunk.item.length,
+                offsets=None if whole else chunk.offsets,
+            )
+            for chunk in info.chunks
+        ]
+        tensors.append(SourceTensor(name=fqn, chunks=chunks, shape=info.size))
+    values = {fqn: context_value(load_item(loc, item, fqn), fqn) for fqn, item in md.blobs.items()}
+    return WeightsSource(
+        url=loc.url,
+        fields={"weights": SourceField(tensors=tensors, context=values)},
+        provenance={"dcp_version": md.version},
+    )
+
+
+import_dcp = importer("dcp", read_dcp)
 
 
 def _plain(value: object, where: str) -> object:

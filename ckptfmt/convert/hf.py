@@ -13,6 +13,7 @@ import json
 import re
 import struct
 from collections.abc import Mapping
+from functools import partial
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -27,7 +28,6 @@ from .base import (
     Location,
     NoProgress,
     Progress,
-    converted_from,
     file_size,
     fs_call,
     list_names,
@@ -36,6 +36,7 @@ from .base import (
     read_range,
 )
 from .destination import open_output, prepare_directory, write_output
+from .weights import Chunk, SourceField, SourceTensor, WeightsSource, importer
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -135,38 +136,22 @@ def plan_read(src: Location) -> tuple[list[tuple[Location, HeaderEntry, str]], d
     return items, {"layout": "sharded", "metadata": {k: v for k, v in metadata.items() if k != "total_size"}}
 
 
-def import_hf(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    import ckptfmt
+def _array(shard: Location, entry: HeaderEntry) -> np.ndarray[Any, Any]:
+    data = bytearray(read_range(shard, entry.begin, entry.end - entry.begin))
+    return np.frombuffer(data, dtype=dtypes.to_numpy(entry.dtype)).reshape(entry.shape)
 
-    progress = progress or NoProgress()
-    loc = locate(src, storage_options)
+
+def read_hf(loc: Location) -> WeightsSource:
+    """The ``weights`` field of a safetensors source, each tensor read (its byte range only) when written."""
     items, source_info = plan_read(loc)
-    progress.start(sum(e.end - e.begin for _, e, _ in items))
-    result = ConvertResult(source=loc.url, source_format="hf", destination=dst, destination_format="ckptfmt")
-    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
-    if target_file_size is not None:
-        options["target_file_size"] = target_file_size
-    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
-        writer.write_tensors("weights", {})
-        for shard, entry, name in items:
-            array = np.frombuffer(
-                bytearray(read_range(shard, entry.begin, entry.end - entry.begin)), dtype=dtypes.to_numpy(entry.dtype)
-            ).reshape(entry.shape)
-            writer.write_tensor("weights", name, array)
-            result.tensors += 1
-            result.bytes += entry.end - entry.begin
-            progress.advance(entry.end - entry.begin)
-        writer.write_context("provenance", converted_from("hf", loc.url, **source_info))
-    result.checkpoint_id = writer.checkpoint_id
-    return result
+    tensors = [
+        SourceTensor(name=name, chunks=(Chunk(read=partial(_array, shard, entry), size=entry.end - entry.begin),))
+        for shard, entry, name in items
+    ]
+    return WeightsSource(url=loc.url, fields={"weights": SourceField(tensors=tensors)}, provenance=source_info)
+
+
+import_hf = importer("hf", read_hf)
 
 
 # ---------------------------------------------------------------- writing

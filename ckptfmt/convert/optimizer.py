@@ -9,12 +9,13 @@ the file) and written in the ``index`` key scheme, the one whose names a state d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import optimizer_layout as layout
-from ..arrays import to_torch
+from ..arrays import as_array, to_torch
 from ..errors import SourceFormatError, UsageError
+from .bounded import check_expansion
 
 
 def split_optimizer(state: object, url: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -27,16 +28,37 @@ def split_optimizer(state: object, url: str) -> tuple[dict[str, Any], dict[str, 
     for pid, entry in state["state"].items():
         if not isinstance(entry, Mapping):
             raise SourceFormatError(f"state of parameter {pid!r} is a {type(entry).__name__}, not a dict", path=url)
+    # tensors inside a parameter's other state (LBFGS keeps its history in lists of them) are stored as arrays
+    # in ``scalars``, as ckptfmt.torch stores them: bounded like the field's own tensors before any is copied
+    check_expansion((t for e in state["state"].values() for v in e.values() for t in _inside(v)), url)
     tensors, scalars = layout.split_state(
         state["state"],
         layout.INDEX,
         is_tensor=is_tensor,
         tensor=lambda _, tensor: tensor,
-        value=lambda value, where: context_value(value, f"{url}: state.{where}"),
+        value=lambda value, where: _state_value(value, f"{url}: state.{where}"),
     )
     groups = context_value(state["param_groups"], f"{url}: param_groups")
     extra = {str(k): context_value(v, f"{url}: {k}") for k, v in state.items() if k not in ("state", "param_groups")}
     return tensors, layout.context(keys=layout.INDEX, param_groups=groups, scalars=scalars, extra=extra)
+
+
+def _inside(value: object) -> Iterator[Any]:
+    """The torch tensors inside the lists of a non-tensor state value (its depth is bounded by check_graph)."""
+    from .torch_bridge import is_tensor
+
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from [item] if is_tensor(item) else _inside(item)
+
+
+def _state_value(value: object, where: str) -> object:
+    """A parameter's non-tensor state as a context value, tensors in its lists as arrays."""
+    from .torch_bridge import context_value, is_tensor
+
+    if isinstance(value, (list, tuple)) and any(True for _ in _inside(value)):
+        return [as_array(v)[0] if is_tensor(v) else _state_value(v, f"{where}.{i}") for i, v in enumerate(value)]
+    return context_value(value, where)
 
 
 def split_optimizers(states: Sequence[object], urls: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -72,6 +94,8 @@ def join_optimizer(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> di
     return {"state": state, "param_groups": groups, **extra}
 
 
-def join_optimizers(tensors: Mapping[str, Any], context: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each optimizer's state dict from the field (none when it is empty)."""
-    return [join_optimizer(mine, ctx) for mine, ctx in layout.parts(tensors, context)]
+def join_optimizers(
+    tensors: Mapping[str, Any], context: Mapping[str, Any], order: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Each optimizer's state dict from the field (none when it is empty); ``order``: see :func:`layout.parts`."""
+    return [join_optimizer(mine, ctx) for mine, ctx in layout.parts(tensors, context, order)]

@@ -3,8 +3,9 @@
 Loaded with ``torch.load(weights_only=True)``: torch's restricted unpickler, which builds tensors,
 containers and primitives and refuses every other global. Tensors are named by their dotted path
 in the nested dicts (the convention of ``state_dict()``); an optimizer state dict found anywhere
-(``{"state": ..., "param_groups": ...}``) becomes the ``optimizer`` field, its tensors named
-relative to it (``state.0.exp_avg``) and its non-tensor state (``param_groups``...) its context.
+(``{"state": ..., "param_groups": ...}``) becomes the ``optimizer`` field, laid out by
+:mod:`ckptfmt.optimizer_layout` (tensors ``state.0.exp_avg``; several optimizers ``<i>/state.0.exp_avg``,
+in the order provenance's ``optimizer_keys`` names them), so ``ckptfmt.torch`` restores it.
 Other non-tensor values (``epoch``, ``step``...) become the ``weights`` field's context.
 """
 
@@ -20,19 +21,16 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, SourceFormatError
 from .base import (
-    ConvertResult,
     Location,
-    NoProgress,
-    Progress,
-    converted_from,
     exists,
     fs_call,
     list_names,
-    locate,
     open_local,
 )
 from .bounded import check_expansion, check_graph, dedupe
+from .optimizer import split_optimizers
 from .torch_bridge import Split, find_optimizers, pop_path, split_tree
+from .weights import SourceField, WeightsSource, importer, loaded
 
 SUFFIXES = (".pt", ".bin", ".pth")
 
@@ -164,66 +162,42 @@ def _load_local(loc: Location) -> Any:
         os.close(fd)
 
 
-def split_state(obj: object, url: str) -> tuple[Split, Split | None, list[str]]:
-    """(weights, optimizer or None, dotted paths of the optimizer state dicts found)."""
+def split_state(obj: object, url: str) -> tuple[Split, tuple[dict[str, Any], dict[str, Any]] | None, list[str]]:
+    """(weights, the ``optimizer`` field as (tensors, context) or None, dotted paths of the optimizer state
+    dicts found). The field is laid out by :mod:`ckptfmt.optimizer_layout`, as every converter lays it out."""
     if not isinstance(obj, Mapping):
         raise SourceFormatError(f"top level is a {type(obj).__name__}; expected a dict of tensors", path=url)
     tree = dict(obj)
     key_paths = find_optimizers(tree)
     names = [".".join(str(k) for k in p) for p in key_paths]
     if key_paths == [()]:
-        return Split(), split_tree(tree), names
+        return Split(), split_optimizers([tree], [url]), names
     optimizers = [pop_path(tree, p) for p in key_paths]
     weights = split_tree(tree)
     if not optimizers:
         return weights, None, names
-    if len(optimizers) == 1:
-        return weights, split_tree(optimizers[0]), names
-    merged = Split()
-    for name, opt in zip(names, optimizers, strict=True):
-        part = split_tree(opt, prefix=name, into=Split(tensors=merged.tensors))
-        merged.rest[name] = part.rest
-    return weights, merged, names
+    return weights, split_optimizers(optimizers, [f"{url}: {name}" for name in names]), names
 
 
-def import_pt(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    import ckptfmt
-
-    progress = progress or NoProgress()
-    loc = find_file(locate(src, storage_options))
+def read_pt(src: Location) -> WeightsSource:
+    """The ``weights`` field (and ``optimizer``, when the file holds an optimizer state dict) of a state-dict
+    file (``src``, or the one in the directory ``src``), every tensor loaded (memory-mapped when local)."""
+    loc = find_file(src)
     weights, optimizer, opt_paths = split_state(load(loc), loc.url)
     if "aliases" not in weights.rest:  # a tensor under several names (tied weights) is stored once
         weights.tensors, aliases = dedupe(weights.tensors)
         if aliases:
             weights.rest["aliases"] = aliases
-    parts = [("weights", weights)] + ([("optimizer", optimizer)] if optimizer is not None else [])
-    check_expansion((t for _, part in parts for t in part.tensors.values()), loc.url)
-    total = sum(int(t.numel()) * t.element_size() for _, part in parts for t in part.tensors.values())
-    progress.start(total)
-    result = ConvertResult(source=loc.url, source_format="pt", destination=dst, destination_format="ckptfmt")
-    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
-    if target_file_size is not None:
-        options["target_file_size"] = target_file_size
-    with ckptfmt.open_writer(dst, profile="weights", **options) as writer:
-        for field, part in parts:
-            writer.write_tensors(field, {})
-            for name, tensor in part.tensors.items():
-                writer.write_tensor(field, name, tensor)
-                nbytes = int(tensor.numel()) * tensor.element_size()
-                result.tensors += 1
-                result.bytes += nbytes
-                progress.advance(nbytes)
-            if part.rest:
-                writer.write_context(field, part.rest)
-        extra: dict[str, object] = {"optimizer_keys": opt_paths} if opt_paths else {}
-        writer.write_context("provenance", converted_from("pt", loc.url, **extra))
-    result.checkpoint_id = writer.checkpoint_id
-    return result
+    parts = {"weights": (weights.tensors, weights.rest)} | ({"optimizer": optimizer} if optimizer else {})
+    check_expansion((t for tensors, _ in parts.values() for t in tensors.values()), loc.url)
+    return WeightsSource(
+        url=loc.url,
+        fields={
+            field: SourceField(tensors=[loaded(name, t) for name, t in tensors.items()], context=context)
+            for field, (tensors, context) in parts.items()
+        },
+        provenance={"optimizer_keys": opt_paths} if opt_paths else {},
+    )
+
+
+import_pt = importer("pt", read_pt)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceFormatError
-from .base import ConvertResult, Location, Progress, converted_from, read_range
+from .base import ConvertResult, Location, Progress, converted_from, nbytes, read_range, writer_options
 from .destination import write_output
 from .optimizer import join_optimizers
 
@@ -122,7 +122,7 @@ class LazySafetensors(Mapping[str, Any]):
 
     def nbytes(self, name: str) -> int:
         if name in self._loaded:
-            return _nbytes(self._loaded[name])
+            return nbytes(self._loaded[name])
         _, entry = self._items[name]
         return int(entry.end - entry.begin)
 
@@ -134,13 +134,7 @@ def _loaded(tensors: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _size(tensors: Mapping[str, Any], name: str) -> int:
     """A tensor's size in bytes without reading it when the mapping is lazy."""
-    return tensors.nbytes(name) if isinstance(tensors, LazySafetensors) else _nbytes(tensors[name])
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    return int(value.numel()) * int(value.element_size())
+    return tensors.nbytes(name) if isinstance(tensors, LazySafetensors) else nbytes(tensors[name])
 
 
 def write_training(
@@ -182,9 +176,7 @@ def write_training(
         result.source,
     )
     progress.start(sum(_size(tensors, name) for field, tensors in tensor_fields.items() for name in names[field]))
-    options: dict[str, Any] = {"storage_options": storage_options, "overwrite": overwrite}
-    if target_file_size is not None:
-        options["target_file_size"] = target_file_size
+    options = writer_options(storage_options, overwrite, target_file_size)
     with ckptfmt.open_writer(dst, profile="training", **options) as writer:
         for field, tensors in tensor_fields.items():
             writer.write_tensors(field, {})
@@ -192,8 +184,8 @@ def write_training(
                 tensor = tensors[name]
                 writer.write_tensor(field, name, tensor)
                 result.tensors += 1
-                result.bytes += _nbytes(tensor)
-                progress.advance(_nbytes(tensor))
+                result.bytes += nbytes(tensor)
+                progress.advance(nbytes(tensor))
         writer.write_context("optimizer", optimizer[1])
         for field, value in contexts.items():
             writer.write_context(field, value)
@@ -209,7 +201,11 @@ def optimizer_states(ckpt: Any, contexts: Mapping[str, Mapping[str, Any]]) -> li
     """The state dict of each optimizer the checkpoint's ``optimizer`` field holds (none: an empty list)."""
     if "optimizer" not in ckpt.fields or ckpt.field("optimizer").kind != "tensors":
         return []
-    return join_optimizers(ckpt.read_tensors("optimizer"), contexts.get("optimizer", {}))
+    # a .pt import before 0.4 keyed several optimizers by their path, which its provenance lists in order
+    source = contexts.get("provenance", {}).get("converted_from")
+    order = source.get("optimizer_keys") if isinstance(source, Mapping) else None
+    order = [str(p) for p in order] if isinstance(order, list) else []
+    return join_optimizers(ckpt.read_tensors("optimizer"), contexts.get("optimizer", {}), order)
 
 
 def write_files(out: Location, files: Mapping[str, bytes], result: ConvertResult, progress: Progress | None) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .. import optimizer_layout
 from .. import provenance as prov
 from ..canonical import canonical_json
 from ..errors import ContextError, FieldNotFoundError, ResumeMismatchError, UsageError
@@ -286,8 +287,7 @@ def _check_model(model: torch.nn.Module, snap: Snapshot) -> None:
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
     context = snap.contexts["optimizer"]
-    if context.get("class") != type(optimizer).__name__:
-        raise UsageError(f"checkpoint holds {context.get('class')} state, the optimizer is {type(optimizer).__name__}")
+    optimizer_layout.check_class(context, type(optimizer).__name__)
     groups = context.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
         raise ContextError("'param_groups' must be a list of maps with 'params'", field="optimizer")

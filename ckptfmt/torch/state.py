@@ -285,8 +285,7 @@ def optimizer_keys(snap: Snapshot) -> str:
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: torch.nn.Module | None = None) -> None:
     context = snap.contexts["optimizer"]
-    if context.get("class") != type(optimizer).__name__:
-        raise UsageError(f"checkpoint holds {context.get('class')} state, the optimizer is {type(optimizer).__name__}")
+    optimizer_layout.check_class(context, type(optimizer).__name__)
     stored = optimizer_layout.join_state(snap.tensors["optimizer"], context, _to_torch)
     groups = optimizer_layout.param_groups(context["param_groups"])
     if optimizer_keys(snap) == optimizer_layout.FQN:
