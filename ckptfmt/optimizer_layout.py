@@ -11,16 +11,16 @@ An optimizer state dict (``{"state": {param: {key: value}}, "param_groups": [...
   ``"index"``: ``state.<index>.<key>`` (the parameter's number in the state dict);
   ``"fqn"``: ``<parameter name>/<key>`` (survives a change of parallelism);
 - the field's context: ``keys`` (the scheme; absent means ``"index"``: what converters wrote before
-  ckptfmt 0.4, and what ckptfmt before 0.2 wrote, both still read), ``param_groups`` (as saved, tuples
-  as lists), ``scalars`` (per parameter, the non-tensor state: ``{"0": {"step": 3}}``), and optionally
-  ``class`` (the optimizer's class name, which a restore checks) and ``extra`` (other top-level keys
-  of a foreign state dict, given back on export).
+  this module owned the layout, and what ckptfmt.torch wrote before it keyed by name; both still read),
+  ``param_groups`` (as saved, tuples as lists), ``scalars`` (per parameter, the non-tensor state:
+  ``{"0": {"step": 3}}``), and optionally ``class`` (the optimizer's class name, which a restore checks)
+  and ``extra`` (other top-level keys of a foreign state dict, given back on export).
 
 Several optimizers in one field (a Lightning or Accelerate source) are stored with their tensors
 prefixed ``<i>/`` and the context ``{"optimizers": [context, ...]}``, one per optimizer.
 
-Read, not written: the layout ckptfmt's ``.pt`` import wrote before 0.4, where the context was the
-state dict less its tensors (``{"param_groups": [...], "state": {"0": {"step": 3}}, ...}``: no
+Read, not written: the layout ckptfmt's ``.pt`` import wrote before it went through this module, where
+the context was the state dict less its tensors (``{"param_groups": [...], "state": {"0": {"step": 3}}, ...}``: no
 ``keys``, no ``scalars``) and several optimizers were keyed by their dotted path in the file
 (tensors ``<path>.state.0.exp_avg``, context ``{<path>: {...}}``). :func:`parts` reads it as the
 layout above (:func:`upgrade`).

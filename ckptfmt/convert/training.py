@@ -201,7 +201,8 @@ def optimizer_states(ckpt: Any, contexts: Mapping[str, Mapping[str, Any]]) -> li
     """The state dict of each optimizer the checkpoint's ``optimizer`` field holds (none: an empty list)."""
     if "optimizer" not in ckpt.fields or ckpt.field("optimizer").kind != "tensors":
         return []
-    # a .pt import before 0.4 keyed several optimizers by their path, which its provenance lists in order
+    # an earlier .pt import (before optimizer_layout) keyed several optimizers by their path, which its
+    # provenance lists in order
     source = contexts.get("provenance", {}).get("converted_from")
     order = source.get("optimizer_keys") if isinstance(source, Mapping) else None
     order = [str(p) for p in order] if isinstance(order, list) else []

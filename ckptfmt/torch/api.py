@@ -112,7 +112,7 @@ def capture(
     ``data_policy="strict"``, warned about under ``"warn"``.
     ``code``: the training code's git state if already known (see :func:`ckptfmt.provenance.capture`).
     ``optimizer_by_name``: key optimizer state by parameter name (the default: it survives a change of
-    parallelism); False keys it by the parameter's index in the optimizer, as ckptfmt before 0.2 did.
+    parallelism); False keys it by the parameter's index in the optimizer, as ckptfmt.torch did before it keyed by name.
     """
     source = data_source(sampler=sampler, loader=loader)
     if source is None:
