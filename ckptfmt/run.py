@@ -614,9 +614,6 @@ class RunDirectory:
                 self.store.abort_upload(path, upload_id)
         return [deleted[e.name] for e in plan.doomed if e.name in deleted]
 
-    def newest_committed(self) -> list[Entry]:
-        return [e for e in self.entries() if e.status == "committed"]
-
 
 def _referrers_first(entries: Iterable[Entry]) -> list[Entry]:
     """``entries`` ordered so that each comes before those it references, otherwise as given."""

@@ -140,11 +140,6 @@ class ResumableSampler:
             positions = positions[~np.isin(perm[positions] // self.shard_size, bad)]
         return positions
 
-    def _remaining(self) -> np.ndarray[Any, Any]:
-        """Global order from the current position on, quarantined shards left out."""
-        rest: np.ndarray[Any, Any] = self._permutation()[self._remaining_positions()]
-        return rest
-
     def __iter__(self) -> Iterator[int]:
         if self.live:
             raise UsageError(
