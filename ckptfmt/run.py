@@ -36,6 +36,7 @@ from .manifest_parse import parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME, is_segment
 from .references import EXTENSION as REFERENCES
 from .references import PARENT
+from .retention import RetentionPlan, plan_retention, referrers_first
 from .storage import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -125,17 +126,6 @@ class Entry:
             "bases": list(self.bases),
             "referenced_bytes": self.referenced_bytes,
         }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetentionPlan:
-    """What retention deletes (:meth:`RunDirectory.plan_retention`), and what it keeps only for references."""
-
-    doomed: tuple[Entry, ...]
-    # name -> the checkpoints whose references keep it (committed referrers and live writers; REF-13),
-    # for each checkpoint that the retention rules alone would have deleted
-    referenced: Mapping[str, tuple[str, ...]]
-    hold: str | None = None  # why retention deletes no committed checkpoint now (see retention_hold)
 
 
 def _lock_state(store: Store, prefix: str, stale_after_s: float) -> tuple[bool, WriterLock | None]:
@@ -450,69 +440,19 @@ class RunDirectory:
         protect: Iterable[str] = (),
         entries: list[Entry] | None = None,
     ) -> RetentionPlan:
-        """What retention deletes: committed checkpoints outside keep_last/keep_every/pins/latest, and the
-        remains of dead writers. Never a checkpoint a live writer holds, one whose manifest is invalid, one in
-        ``protect``, nor a committed checkpoint that something kept references: a kept (or live, or invalid)
-        checkpoint's bases, as its manifest lists them, and a live writer's, as its lock lists them (REF-13),
-        closed transitively. ``keep_last`` counts committed checkpoints from the highest step down."""
-        entries = self.entries() if entries is None else entries
-        pointers_hold = self.retention_hold()
-        hold = pointers_hold
-        unknown = [e.name for e in entries if e.status == "writing" and e.error is not None]
-        if unknown:
-            why = (
-                f"the writer lock of {', '.join(unknown)} cannot be read, so which checkpoints its writer "
-                "references is unknown — committed checkpoints are kept until it is repaired"
-            )
-            hold = why if hold is None else f"{hold}; {why}"
-        if hold is not None:
-            log.warning("retention suspended: %s", hold)
-            keep_last = None  # delete only the remains of dead writers
-        keep = set(protect) | (self.pinned() if pointers_hold is None else set())
+        """What retention deletes now (:func:`ckptfmt.retention.plan_retention`, with this directory's
+        listing, pins, ``latest`` pointer and hold)."""
         latest = self.latest()
-        if latest:
-            keep.add(latest["name"])
-        committed = [e for e in entries if e.status == "committed"]
-        if keep_last is not None:
-            keep.update(e.name for e in committed[:keep_last])
-        if keep_every:
-            keep.update(e.name for e in committed if e.step is not None and e.step % keep_every == 0)
-        doomed: dict[str, Entry] = {}
-        for entry in entries:
-            # An unreadable manifest is not a crash's remains (the manifest is written last, checked): it is
-            # corrupt or from a newer format version, and deleting it is an operator's call.
-            if entry.name in keep or entry.status in ("writing", "invalid manifest"):
-                continue
-            if entry.status == "committed" and keep_last is None:
-                continue  # no retention rule given: gc removes only the remains of dead writers
-            if entry.status != "committed" and entry.foreign:
-                continue  # not provably a writer's remains: someone else's files live there
-            doomed[entry.name] = entry
-        referenced = self._rescue(entries, doomed)
-        return RetentionPlan(
-            doomed=tuple(e for e in entries if e.name in doomed),
-            referenced={name: tuple(sorted(users)) for name, users in sorted(referenced.items())},
-            hold=hold,
+        pointers_hold = self.retention_hold()
+        return plan_retention(
+            self.entries() if entries is None else entries,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            protect=protect,
+            pinned=self.pinned() if pointers_hold is None else (),
+            latest=latest["name"] if latest else None,
+            pointers_hold=pointers_hold,
         )
-
-    @staticmethod
-    def _rescue(entries: list[Entry], doomed: dict[str, Entry]) -> dict[str, list[str]]:
-        """Take out of ``doomed`` every committed checkpoint that a survivor references, transitively (REF-8
-        makes references one level deep; a hand-made or future chain is kept whole all the same); returns
-        name -> the survivors that reference it, for each checkpoint taken out."""
-        rescued: dict[str, list[str]] = {}
-        users = [
-            e for e in entries if e.name not in doomed and e.status in ("committed", "writing", "invalid manifest")
-        ]
-        while users:
-            user = users.pop()
-            for base in user.bases:
-                if base in doomed and doomed[base].status == "committed":
-                    users.append(doomed.pop(base))
-                    rescued[base] = []
-                if base in rescued and base != user.name:
-                    rescued[base].append(user.name)
-        return rescued
 
     def plan_gc(
         self,
@@ -596,7 +536,7 @@ class RunDirectory:
         needs_scan = any(e.status == "committed" for e in plan.doomed)
         committed, writers = self._reference_scan() if needs_scan else ({}, {})
         deleted: dict[str, Entry] = {}
-        for entry in _referrers_first(plan.doomed):
+        for entry in referrers_first(plan.doomed):
             if entry.status == "committed":
                 users = self._users(entry.name, (committed, writers))
                 if users:
@@ -613,18 +553,6 @@ class RunDirectory:
             if path.partition("/")[0] not in live:
                 self.store.abort_upload(path, upload_id)
         return [deleted[e.name] for e in plan.doomed if e.name in deleted]
-
-
-def _referrers_first(entries: Iterable[Entry]) -> list[Entry]:
-    """``entries`` ordered so that each comes before those it references, otherwise as given."""
-    pending = list(entries)
-    out: list[Entry] = []
-    while pending:
-        needed = {b for e in pending for b in e.bases if b != e.name}
-        ready = {e.name for e in pending if e.name not in needed} or {pending[0].name}  # a (hostile) cycle
-        out += [e for e in pending if e.name in ready]
-        pending = [e for e in pending if e.name not in ready]
-    return out
 
 
 def check_replaceable_url(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> None:
