@@ -98,9 +98,9 @@ def test_field_added(tmp_path: Path) -> None:
 
 
 def test_large_tensor_compared_in_row_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptfmt.cli import compare
+    from ckptfmt.cli import checkpoint_diff
 
-    monkeypatch.setattr(compare, "BLOCK_BYTES", 64)  # 4 rows of 4 float32 per block
+    monkeypatch.setattr(checkpoint_diff, "BLOCK_BYTES", 64)  # 4 rows of 4 float32 per block
     x = np.random.default_rng(0).standard_normal((37, 4)).astype(np.float32)
     y = x.copy()
     y[36, 1] += 3.0
