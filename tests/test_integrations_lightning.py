@@ -244,6 +244,9 @@ def test_mid_epoch_resume_continues_with_the_next_unseen_batch(
         loops = ckpt.read_context("lightning")["checkpoint"]["loops"]
         (state,) = loops["fit_loop"]["state_dict"]["combined_loader"]
         assert (state["epoch"], state["global_sample_offset"]) == (step // 6, (step % 6) * 4)
+        data = ckpt.read_context("data")  # and in the data field, as ckptfmt.torch saves it
+        assert (data["epoch"], data["global_sample_offset"]) == (step // 6, (step % 6) * 4)
+        assert "sample_offset_known" not in data and data["sampler"] == state["sampler"]
     resumed = fit_resumable(tmp_path, ckpt=root / name, seed=123)
     assert killed.seen[:step] + resumed.seen == full.seen
     for (name, mine), theirs in zip(resumed.state_dict().items(), full.state_dict().values(), strict=True):

@@ -11,11 +11,14 @@ Lightning key              field                                       how
 ``state_dict``             ``weights``                                 tensors by their names
 ``optimizer_states``       ``optimizer``                               as :mod:`ckptfmt.torch`
 ``hyper_parameters``       ``config``                                  when plain JSON values
-``epoch``, ``loops``       ``data``                                    epoch and batch counters
+``epoch``, ``loops``       ``data``                                    epoch and batch counters; the
+                                                                       sample offset when the loader
+                                                                       is a ``ResumableDataLoader``
 everything else            ``lightning`` (+ ``lightning_tensors``)     losslessly encoded
 =========================  ==========================================  =====================
 
-Lightning records no RNG state, no topology and no sample offset; :mod:`ckptfmt.integrations.lightning`
+Lightning records no RNG state, no topology and no sample offset (but for a stateful loader's own state:
+that of ckptfmt's ``ResumableDataLoader`` is its global position); :mod:`ckptfmt.integrations.lightning`
 fills ``rng`` and ``topology`` when it writes, and an import says what the file lacked. The
 ``lightning`` field keeps the rest of the dict in a small tagged encoding (tuples, non-string keys
 and tensors marked), so :func:`to_checkpoint` gives Lightning back the dict it saved.
@@ -140,14 +143,19 @@ def split_checkpoint(checkpoint: object, url: str) -> Fields:
     step = checkpoint.get("global_step")
     epoch = checkpoint.get("epoch")
     progress = _batch_progress(checkpoint.get("loops"))
-    out.contexts["data"] = {
-        "epoch": epoch if type(epoch) is int and epoch >= 0 else 0,
-        "global_sample_offset": 0,
-        "sample_offset_known": False,
-        "lightning": {"global_step": step, **progress},
-    }
-    out.sources["data"] = field_source("", "epoch, global_step, loops.fit_loop")
-    out.missing["data"] = "no sample offset (Lightning counts batches, not samples): global_sample_offset is 0"
+    position = _loader_position(checkpoint.get("loops"))
+    if position is not None:  # a ckptfmt ResumableDataLoader: its global position, as ckptfmt.torch saves it
+        out.contexts["data"] = {**position, "lightning": {"global_step": step, **progress}}
+        out.sources["data"] = field_source("", "loops.fit_loop.state_dict.combined_loader, global_step")
+    else:
+        out.contexts["data"] = {
+            "epoch": epoch if type(epoch) is int and epoch >= 0 else 0,
+            "global_sample_offset": 0,
+            "sample_offset_known": False,
+            "lightning": {"global_step": step, **progress},
+        }
+        out.sources["data"] = field_source("", "epoch, global_step, loops.fit_loop")
+        out.missing["data"] = "no sample offset (Lightning counts batches, not samples): global_sample_offset is 0"
 
     hparams = checkpoint.get("hyper_parameters")
     config: dict[str, Any] = {}
@@ -162,6 +170,24 @@ def split_checkpoint(checkpoint: object, url: str) -> Fields:
         out.missing["config"] = "no hyper_parameters as plain JSON values (they stay in the 'lightning' field)"
     out.contexts["config"] = {"config": config, "hash": config_hash(config)}
     return out
+
+
+def _loader_position(loops: object) -> dict[str, Any] | None:
+    """The data position Lightning saved for its one train loader when that loader is ckptfmt's
+    ``ResumableDataLoader`` (a stateful loader: ``loops.fit_loop.state_dict.combined_loader``); None otherwise."""
+    fit = loops.get("fit_loop") if isinstance(loops, Mapping) else None
+    state = fit.get("state_dict") if isinstance(fit, Mapping) else None
+    loaders = state.get("combined_loader") if isinstance(state, Mapping) else None
+    if not (isinstance(loaders, list) and len(loaders) == 1 and isinstance(loaders[0], Mapping)):
+        return None
+    position = loaders[0]
+    sampler = position.get("sampler")
+    epoch, offset = position.get("epoch"), position.get("global_sample_offset")
+    if not (isinstance(sampler, Mapping) and sampler.get("kind") == "ckptfmt.resumable"):
+        return None
+    if not (type(epoch) is int and epoch >= 0 and type(offset) is int and offset >= 0):
+        return None
+    return {str(k): v for k, v in position.items()}
 
 
 def _batch_progress(loops: object) -> dict[str, object]:
