@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from ..errors import StorageError, UnsafePathError
-from ..storage.local import kind_of, split_path, walk_to_parent
+from ..storage.base import split_path
+from ..storage.local import kind_of, walk_to_parent
 from .base import Location, fs_call, refuse_existing, refuse_links
 
 _WRITE_FLAGS = (

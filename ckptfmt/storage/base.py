@@ -14,9 +14,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import UnsafePathError
+
 # What ``Store.read`` refuses by default: it reads whole documents (manifest, context blobs, locks),
 # never data files, so a huge (say sparse) file is refused before a byte of it is read.
 DEFAULT_MAX_READ = 1 << 30
+
+
+def split_path(path: str) -> list[str]:
+    """The components of a relative '/'-separated path; refuses '', '.', '..', absolute paths and NUL (every
+    store: a local one would leave its root, an object store's key would, through a client that normalizes)."""
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", "..") or "\0" in part:
+            raise UnsafePathError("is not a plain relative path below the root", path=path, requirement="PTH-2")
+    return parts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError
-from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store
+from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store, split_path
 from .direct import StagedWriter
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -52,15 +52,6 @@ def kind_of(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
-
-
-def split_path(path: str) -> list[str]:
-    """The components of a relative '/'-separated path; refuses '', '.', '..', absolute paths and NUL."""
-    parts = path.split("/")
-    for part in parts:
-        if part in ("", ".", "..") or "\0" in part:
-            raise UnsafePathError("is not a plain relative path below the root", path=path, requirement="PTH-2")
-    return parts
 
 
 def _makedirs_durably(root: str) -> None:

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from ..errors import CheckpointError, MissingFileError, SizeMismatchError, StorageError
-from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store
+from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store, split_path
 
 # Filesystems whose writes become visible only when complete (multipart upload), so a failed write
 # can be discarded without ever appearing under the final name.
@@ -187,6 +187,10 @@ class FsspecStore(Store):
         self._probe_lock = threading.Lock()
 
     def _full(self, path: str) -> str:
+        """The object key of ``path``, refused (UnsafePathError, PTH-2) unless it is a plain relative path: a
+        key is not a path, but a proxy or another client that collapses ``..`` would reach outside the root.
+        Called before any ``try`` that turns exceptions into storage errors."""
+        split_path(path)
         return f"{self.root}/{path}"
 
     def sibling(self, name: str) -> FsspecStore:
@@ -205,8 +209,9 @@ class FsspecStore(Store):
         return StorageError(f"{doing} failed for {where}: {type(exc).__name__}: {exc}", path=path)
 
     def create(self, path: str) -> OutputFile:
+        full = self._full(path)
         try:
-            return self._output(self._full(path), path)
+            return self._output(full, path)
         except StorageError as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
             raise self._wrap(cause, path, "create", writing=True) from exc
@@ -231,8 +236,9 @@ class FsspecStore(Store):
         return caused_by(exc, lambda e: isinstance(e, FileExistsError))
 
     def _put_create_only(self, path: str, data: bytes) -> None:
+        full = self._full(path)
         try:
-            self.fs.pipe_file(self._full(path), data, mode="create")
+            self.fs.pipe_file(full, data, mode="create")
         except FileExistsError:
             raise
         except Exception as exc:
@@ -298,10 +304,11 @@ class FsspecStore(Store):
 
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         view = out.cast("B") if out.format != "B" else out
+        full = self._full(path)
         if not len(view):
             return
         try:
-            data = self.fs.cat_file(self._full(path), start=begin, end=begin + len(view))
+            data = self.fs.cat_file(full, start=begin, end=begin + len(view))
         except Exception as exc:
             raise self._wrap(exc, path, "ranged read") from exc
         if len(data) != len(view):
@@ -313,6 +320,7 @@ class FsspecStore(Store):
             ((begin, out.cast("B") if out.format != "B" else out) for begin, out in requests if len(out)),
             key=lambda r: r[0],
         )
+        self._full(path)  # refused here, not wrapped below
         if not todo:
             return
         gets = plan_gets([(begin, begin + len(view)) for begin, view in todo])
@@ -344,14 +352,16 @@ class FsspecStore(Store):
         return blobs
 
     def size(self, path: str) -> int:
+        full = self._full(path)
         try:
-            return int(self.fs.size(self._full(path)))
+            return int(self.fs.size(full))
         except Exception as exc:
             raise self._wrap(exc, path, "stat") from exc
 
     def exists(self, path: str) -> bool:
+        full = self._full(path)
         try:
-            return bool(self.fs.exists(self._full(path)))
+            return bool(self.fs.exists(full))
         except Exception as exc:
             raise self._wrap(exc, path, "stat") from exc
 
@@ -380,8 +390,9 @@ class FsspecStore(Store):
         return out
 
     def delete(self, path: str) -> None:
+        full = self._full(path)
         try:
-            self.fs.rm_file(self._full(path))
+            self.fs.rm_file(full)
         except FileNotFoundError:
             pass
         except Exception as exc:
