@@ -11,7 +11,7 @@ import pytest
 import zstandard
 
 import ckptfmt
-from ckptfmt.codecs import WriteCodec, get_codec
+from ckptfmt.codecs import FrameSpan, WriteCodec, get_codec
 from ckptfmt.codecs.zstd import FRAME_BYTES, ZstdConfiguration, ZstdOptions, group_bytes, ungroup_bytes
 from ckptfmt.errors import DigestMismatchError, IntegrityError, ManifestError, UnsupportedCodecError, UsageError
 from ckptfmt.manifest import Codec
@@ -169,6 +169,30 @@ def test_frame_without_checksum_or_with_trailing_bytes_is_refused() -> None:
         span = codec.plan_frames(config, stored_size=len(frame), raw_size=4096, raw_begin=0, raw_end=4096)
         with pytest.raises(IntegrityError):
             codec.decode_into(config, memoryview(frame), span, memoryview(bytearray(4096)), itemsize=1)
+
+
+def test_a_planned_span_carries_its_parsed_configuration_to_the_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan_frames parses and checks the configuration once; decode_into uses what it parsed (a chunk read
+    in many pieces is not parsed again per piece), and parses the record itself for a span it did not plan."""
+    codec = get_codec("zstd")
+    raw = np.random.default_rng(6).standard_normal(3 * 1024).astype(np.float32)
+    encoded = codec.encode(memoryview(raw).cast("B"), dtype="F32", itemsize=4, options=ZstdOptions(frame_bytes=4096))
+    stored = b"".join(bytes(p) for p in encoded.parts)
+    assert encoded.configuration is not None
+    record = Codec(name="zstd", configuration=encoded.configuration.to_dict())
+    parsed = []
+    original = ZstdConfiguration.from_dict.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        ZstdConfiguration, "from_dict", classmethod(lambda cls, c: parsed.append(1) or original(cls, c))
+    )
+    span = codec.plan_frames(record, stored_size=len(stored), raw_size=raw.nbytes, raw_begin=4096, raw_end=8192)
+    part = memoryview(stored)[span.stored_begin : span.stored_end]
+    out = bytearray(span.raw_end - span.raw_begin)
+    codec.decode_into(record, part, span, memoryview(out), itemsize=4)
+    assert bytes(out) == raw.tobytes()[4096:8192] and len(parsed) == 1
+    bare = FrameSpan(stored_begin=span.stored_begin, stored_end=span.stored_end, raw_begin=4096, raw_end=8192)
+    codec.decode_into(record, part, bare, memoryview(out), itemsize=4)
+    assert bytes(out) == raw.tobytes()[4096:8192] and len(parsed) == 2
 
 
 def test_verify_checks_codecs_and_frames(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ class FrameSpan:
     stored_end: int
     raw_begin: int
     raw_end: int
+    # the configuration plan_frames parsed and checked, handed to decode_into so that it is not parsed again
+    # for every piece decoded (None: decode_into parses ``codec.configuration`` itself)
+    configuration: CodecConfiguration | None = None
 
 
 class ChunkCodec(Protocol):

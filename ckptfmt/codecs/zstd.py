@@ -301,10 +301,13 @@ class ZstdCodec:
             stored_end=stored_end,
             raw_begin=first * frame,
             raw_end=min(raw_size, (last + 1) * frame),
+            configuration=config,
         )
 
     def decode_into(self, codec: Codec, stored: memoryview, span: FrameSpan, out: memoryview, *, itemsize: int) -> None:
-        config = ZstdConfiguration.from_dict(codec.configuration)
+        config = span.configuration
+        if not isinstance(config, ZstdConfiguration):  # a span not planned by plan_frames: parse it here
+            config = ZstdConfiguration.from_dict(codec.configuration)
         frame, sizes = config.frame_bytes, config.frames
         group = config.bytegroup and itemsize > 1
         sign_last = config.sign_last
