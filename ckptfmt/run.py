@@ -211,6 +211,8 @@ class RunDirectory:
         for name, files in groups.items():
             if is_checkpoint_dir(files):
                 out.append(self._entry(name, files))
+        for gone in self._committed.keys() - {e.name for e in out}:
+            del self._committed[gone]  # deleted since: a run of weeks lists thousands of names over its life
         out.sort(key=lambda e: (e.step if e.step is not None else -1, e.name), reverse=True)
         return out
 

@@ -68,6 +68,9 @@ def test_entries_of_one_run_directory_follow_replaced_and_damaged_manifests(run:
     assert next(e for e in rd.entries() if e.name == "fresh").step == 62
     (run / checkpoint_name(50) / "stray.txt").write_text("someone else's")  # a remembered entry's listing is new
     assert next(e for e in rd.entries() if e.name == checkpoint_name(50)).foreign == ("stray.txt",)
+    rd.gc(keep_last=2)
+    committed = {e.name for e in rd.entries() if e.status == "committed"}
+    assert set(rd._committed) == committed and len(committed) == 2  # what was deleted is forgotten
 
 
 def test_keep_last(run: Path) -> None:
