@@ -139,3 +139,64 @@ def test_checkpoint_round_trip_either_way(tmp_path: Path, direct_io: bool) -> No
         assert ckpt.verify().ok
         got = ckpt.read_tensors("weights")
     assert all(np.array_equal(got[n], t) for n, t in tensors.items())
+
+
+def _in_child(work: Any, *, timeout_s: float = 60.0) -> int:
+    """Run ``work`` in a forked child; its exit status (SIGKILLed, and 99 returned, if it outlives ``timeout_s``)."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            work()
+            status = 0
+        finally:
+            os._exit(status)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return 99
+
+
+def test_a_forked_child_does_not_share_the_parents_staging_buffers(tmp_path: Path) -> None:
+    """The idle buffers a process keeps are its own after a fork: a child (a multi-rank test's ranks, a
+    ``multiprocessing`` save) staging its bytes must not write into the buffer its parent stages into."""
+    _write_and_check(tmp_path / "warm", seed=1)  # the pool now keeps idle buffers
+    staged, go_on = os.pipe(), os.pipe()
+
+    def child() -> None:
+        out = LocalStore(tmp_path).create("child.bin")
+        out.write(b"C" * 100)  # staged in a buffer taken from the pool inherited from the parent
+        os.write(staged[1], b"1")
+        os.read(go_on[0], 1)  # the parent has staged and written its own file meanwhile
+        out.commit()
+
+    pid_status: list[int] = []
+    import threading
+
+    thread = threading.Thread(target=lambda: pid_status.append(_in_child(child)))
+    thread.start()
+    os.read(staged[0], 1)
+    out = LocalStore(tmp_path).create("parent.bin")
+    out.write(b"P" * 100)
+    out.commit()
+    os.write(go_on[1], b"1")
+    thread.join()
+    assert pid_status == [0]
+    assert (tmp_path / "parent.bin").read_bytes() == b"P" * 100
+    assert (tmp_path / "child.bin").read_bytes() == b"C" * 100
+
+
+def test_a_forked_child_writes_a_large_file_after_its_parent_did(tmp_path: Path) -> None:
+    """The shared writer threads do not survive a fork: a child must get its own, not wait forever on the
+    parent's (whose idle slot it inherited)."""
+    _write_and_check(tmp_path / "parent", seed=2)  # the parent's writer threads ran and are idle
+    status = _in_child(lambda: _write_and_check(tmp_path / "child", seed=3), timeout_s=30.0)
+    assert status == 0, "the child hung (99) or failed"

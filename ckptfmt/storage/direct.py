@@ -34,7 +34,14 @@ ALIGN = 4096  # buffer address, write length and file offset: a multiple of ever
 # 1540 with 8 MiB buffers, whose writes kept the device at a queue depth of one or two (bench/compare.py --only disk).
 BUFFER_BYTES = 32 << 20
 POOL_IDLE = 4
-_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptfmt-direct")  # the writes themselves
+_WRITER_THREADS = 4
+
+
+def _new_writers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=_WRITER_THREADS, thread_name_prefix="ckptfmt-direct")
+
+
+_WRITERS = _new_writers()  # the writes themselves
 
 
 class _BufferPool:
@@ -46,7 +53,9 @@ class _BufferPool:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return mmap.mmap(-1, BUFFER_BYTES)  # anonymous mappings are page-aligned
+        # Anonymous mappings are page-aligned. Private, not Python's default MAP_SHARED: a shared one would be the
+        # same memory in a forked child, which would then stage its bytes into the buffer its parent is filling.
+        return mmap.mmap(-1, BUFFER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def give(self, buffer: mmap.mmap) -> None:
         with self._lock:
@@ -57,6 +66,17 @@ class _BufferPool:
 
 
 _POOL = _BufferPool()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with its own pool and writer threads: the parent's threads do not exist in it, yet
+    its executor would count them as idle and queue writes nobody runs (a hang)."""
+    global _POOL, _WRITERS
+    _POOL = _BufferPool()
+    _WRITERS = _new_writers()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def write_all(fd: int, data: memoryview) -> None:
