@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, host_memory
 from .arrays import byte_view
 from .blocks import HEX_DIGITS, BlockHasher
 from .codecs import get_codec
@@ -111,7 +111,8 @@ class ReadExecutor:
 
     def fill(self, plan: ReadPlan, *, verify: bool = True) -> list[np.ndarray[Any, Any]]:
         """The plan's targets, every piece read and checked; nothing is returned if any check fails."""
-        arrays = [np.empty(t.shape, dtype=dtypes.to_numpy(t.dtype)) for t in plan.targets]
+        allocated = [host_memory.empty(t.shape, dtypes.to_numpy(t.dtype)) for t in plan.targets]
+        arrays = [array for array, _ in allocated]
         if not plan.pieces:
             return arrays
         by_file = plan.by_file()
@@ -135,7 +136,11 @@ class ReadExecutor:
                     filled += hi - lo
             if task:
                 tasks.append((path, task))
-        self._run([functools.partial(self._task, path, parts, verify) for path, parts in tasks])
+        # The targets' pages are mapped on a thread of their own, in the order the tasks fill them (host_memory.py).
+        order = dict.fromkeys(live.piece.target for _, parts in tasks for live, _, _ in parts)
+        mappings = [m for m in (allocated[i][1] for i in order) if m is not None]
+        with host_memory.Populator(mappings):
+            self._run([functools.partial(self._task, path, parts, verify) for path, parts in tasks])
         return arrays
 
     def _check_files(self, readers: Mapping[str, tuple[str, str]]) -> None:
