@@ -134,10 +134,6 @@ def worker(args: argparse.Namespace) -> None:
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_keep))
     elif args.mode == "bytes":
         keep, dcp_keep = out / "ckptfmt-4-keep", out / "dcp-4-keep"
-        if rank == 0:
-            evict(keep)
-            evict(dcp_keep)
-            settle()
 
         def ckptfmt_read() -> None:
             with ckptfmt.open(keep) as ckpt:
@@ -150,8 +146,13 @@ def worker(args: argparse.Namespace) -> None:
             msd2, osd2 = get_state_dict(model, optimizer)
             dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(dcp_keep))
 
-        result["ckptfmt_read"] = timed(ckptfmt_read)
-        result["dcp_load"] = timed(dcp_load)
+        reads = [("ckptfmt_read", ckptfmt_read, keep), ("dcp_load", dcp_load, dcp_keep)]
+        for i in range(args.repeat):  # alternating which goes first, each cold
+            for key, fn, path in reads if i % 2 == 0 else reads[::-1]:
+                if rank == 0:
+                    evict(path)
+                    settle()
+                result.setdefault(key, []).append(timed(fn))
     (out / f"result-{args.mode}-{world}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -163,7 +164,8 @@ def launch(mode: str, world: int, args: argparse.Namespace) -> list[dict[str, An
     procs = []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
-        env.update({"WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+        env.update({"WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+        env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", args.out]
         cmd += ["--size-mib", str(args.size_mib), "--repeat", str(args.repeat)]
         procs.append(subprocess.Popen(cmd, env=env))
@@ -201,22 +203,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for world in (1, 2, 4):
         rows = launch("saveload", world, args)
         # a step takes as long as its slowest rank: the max over ranks of each repetition, then the median
-        report["worlds"][str(world)] = {
-            k: statistics.median(max(r[k][i] for r in rows) for i in range(args.repeat)) for k in rows[0]
-        }
+        slowest = {k: [max(r[k][i] for r in rows) for i in range(args.repeat)] for k in rows[0]}
+        report["worlds"][str(world)] = {k: statistics.median(v) for k, v in slowest.items()}
+        report["worlds"][str(world)]["load_ratios"] = _ratios(slowest["dcp_load"], slowest["ckptfmt_load"])
     for world in (3, 2):
         rows = launch("bytes", world, args)
         total = rows[0]["tensor_bytes"]
+        ours = [max(r["ckptfmt_read"][i] for r in rows) for i in range(args.repeat)]
+        theirs = [max(r["dcp_load"][i] for r in rows) for i in range(args.repeat)]
         report["reshard"][f"4->{world}"] = {
             "tensor_bytes": total,
             "file_bytes": rows[0]["file_bytes"],
             "per_rank": [r["bytes_read"] / total for r in rows],
             "sum": sum(r["bytes_read"] for r in rows) / total,
             "ideal": 1 / world,
-            "ckptfmt_read": max(r["ckptfmt_read"] for r in rows),
-            "dcp_load": max(r["dcp_load"] for r in rows),
+            "ckptfmt_read": statistics.median(ours),
+            "dcp_load": statistics.median(theirs),
+            "ratios": _ratios(theirs, ours),
         }
     return report
+
+
+def _ratios(theirs: list[float], ours: list[float]) -> list[float]:
+    """DCP's time / ckptfmt's, repetition by repetition (each the slowest rank)."""
+    return [t / o for t, o in zip(theirs, ours, strict=True)]
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def print_tables(report: dict[str, Any]) -> None:
@@ -225,25 +239,26 @@ def print_tables(report: dict[str, Any]) -> None:
         f"median of {report['repeat']} (each the slowest rank); ratio = DCP time / ckptfmt time (>1: ckptfmt faster)"
     )
     print()
-    print("| ranks | ckptfmt save | DCP save | save ratio | ckptfmt load | DCP load | load ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| ranks | ckptfmt save | DCP save | save ratio | ckptfmt load | DCP load | load ratio | per repetition |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for world, m in report["worlds"].items():
         save, dsave, load, dload = (m[k] for k in ("ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"))
         print(
             f"| {world} | {save:.2f} s | {dsave:.2f} s | {dsave / save:.2f} | {load:.2f} s | {dload:.2f} s "
-            f"| {dload / load:.2f} |"
+            f"| {dload / load:.2f} | {_spread(m['load_ratios'])} |"
         )
     print()
     print(
         "| 4-rank checkpoint loaded on | tensor bytes read per rank / checkpoint's | sum | ideal per rank "
-        "| ckptfmt read | DCP load | ratio |"
+        "| ckptfmt read | DCP load | ratio | per repetition |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, m in report["reshard"].items():
         per_rank = " / ".join(f"{f:.3f}" for f in m["per_rank"])
         print(
             f"| {label.split('->')[1]} ranks | {per_rank} | {m['sum']:.3f} | {m['ideal']:.3f} "
-            f"| {m['ckptfmt_read']:.2f} s | {m['dcp_load']:.2f} s | {m['dcp_load'] / m['ckptfmt_read']:.2f} |"
+            f"| {m['ckptfmt_read']:.2f} s | {m['dcp_load']:.2f} s | {m['dcp_load'] / m['ckptfmt_read']:.2f} "
+            f"| {_spread(m['ratios'])} |"
         )
     some = next(iter(report["reshard"].values()))
     tensor_mib, file_mib = some["tensor_bytes"] / (1 << 20), some["file_bytes"] / (1 << 20)

@@ -81,12 +81,27 @@ class _Live:
 
 
 def default_workers(store: Store) -> int:
-    """Reads in flight: on a local disk one per core, up to 4 (the copy out of the page cache and the hashing are
-    CPU work: on 2 cores, 4 readers loaded 192 MiB in 0.15 s against 0.11 s for 2); on object stores 8, since
-    each request mostly waits on the network."""
+    """Reads in flight: on a local disk one per core this process has, shared with the other processes of the job
+    on this node (torchrun's ``LOCAL_WORLD_SIZE``), from 1 to 4 (the copy out of the page cache and the hashing
+    are CPU work: on 2 cores, 4 readers loaded 192 MiB in 0.15 s against 0.11 s for 2); on object stores 8,
+    since each request mostly waits on the network."""
     if store.capabilities.local:
-        return max(1, min(4, os.cpu_count() or 1))
+        return max(1, min(4, usable_cores() // local_processes()))
     return 8
+
+
+def usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def local_processes() -> int:
+    """How many processes of this job share the node (``LOCAL_WORLD_SIZE``, set by torchrun); 1 if unknown."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class ReadExecutor:

@@ -31,3 +31,24 @@ def test_reading_a_field_asks_the_store_once_per_file(tmp_path: Path, monkeypatc
     assert all(np.array_equal(out[n], t) for n, t in tensors.items())
     assert calls == [("weights/r00000-00000.safetensors", 50)]  # 50 tensors, one call, each straight into its array
     assert ckpt.bytes_read == 51 * 64
+
+
+@pytest.mark.parametrize(
+    ("cores", "local_world", "expected"),
+    [(2, None, 2), (16, None, 4), (2, "4", 1), (16, "4", 4), (16, "8", 2), (8, "not a number", 4), (2, "0", 2)],
+)
+def test_local_readers_share_the_cores_with_the_other_ranks_of_the_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, local_world: str | None, expected: int
+) -> None:
+    """torchrun's LOCAL_WORLD_SIZE ranks on one node split its cores: 4 ranks on 2 cores read with one thread each,
+    not two (8 readers and their copies fighting over 2 cores)."""
+    from ckptfmt import read_executor
+    from ckptfmt.storage import LocalStore, open_store
+
+    monkeypatch.setattr(read_executor, "usable_cores", lambda: cores)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    assert read_executor.default_workers(LocalStore(tmp_path)) == expected
+    assert read_executor.default_workers(open_store("memory://workers")) == 8  # requests wait on the network
