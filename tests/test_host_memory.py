@@ -74,3 +74,15 @@ def test_without_populate_reads_land_in_plain_arrays(tmp_path: Path, monkeypatch
             got = ckpt.read_tensor("weights", "w")
         assert got.tobytes() == values.tobytes()
         assert isinstance(got.base, np.ndarray) == (populate and host_memory.MADV_POPULATE_WRITE is not None)
+
+
+@needs_populate
+def test_mappings_alive_at_once_are_bounded_and_freed_ones_are_counted_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model of very many large tensors must not use up the process's mappings (vm.max_map_count): past the
+    bound, arrays come from the allocator; a freed array's mapping counts no more."""
+    monkeypatch.setattr(host_memory, "MAX_MAPPINGS", host_memory._live + 2)
+    arrays = [host_memory.empty((1 << 20,), np.dtype(np.uint8)) for _ in range(3)]
+    assert [m is not None for _, m in arrays] == [True, True, False]
+    del arrays[0]
+    _array, mapping = host_memory.empty((1 << 20,), np.dtype(np.uint8))
+    assert mapping is not None
