@@ -30,13 +30,15 @@ def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert set(report["worlds"]) == {"1", "2", "4"}
     for m in report["worlds"].values():
-        assert set(m) == {"ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"}
-        assert all(v > 0 for v in m.values())
+        assert set(m) == {"ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load", "load_ratios"}
+        assert all(m[k] > 0 for k in ("ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"))
+        assert m["load_ratios"] == [m["dcp_load"] / m["ckptfmt_load"]]  # one repetition: its ratio
     assert set(report["reshard"]) == {"4->3", "4->2"}
     for label, m in report["reshard"].items():
         world = int(label.split("->")[1])
         assert len(m["per_rank"]) == world and m["ideal"] == 1 / world
         # fractions of the checkpoint; together the ranks read all of it at least once
         assert all(0 < f <= 1 for f in m["per_rank"]) and m["sum"] >= 0.99
+        assert m["ratios"] == [m["dcp_load"] / m["ckptfmt_read"]]
     assert "| ranks | ckptfmt save |" in proc.stdout and "| 3 ranks |" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing left behind
