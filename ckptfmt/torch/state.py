@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -437,11 +438,15 @@ def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) ->
                 offsets, shape = local_region(like)
                 regions.append(Target(name, tname, tensor.dtype, tuple(offsets), tuple(shape)))
             likes.append(like)
-    for region, like, array in zip(regions, likes, ckpt.read_regions(regions), strict=True):
+    # The context blobs (small files: a disk's latency each) are read beside the tensors, not after them.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-contexts") as side:
+        contexts = side.submit(
+            lambda: {name: ckpt.read_context(name) for name, record in ckpt.fields.items() if record.context}
+        )
+        arrays = ckpt.read_regions(regions)
+        snap.contexts.update(contexts.result())
+    for region, like, array in zip(regions, likes, arrays, strict=True):
         snap.tensors[region.field][region.tensor] = array if like is None else TargetShard(array, like)
-    for name, record in ckpt.fields.items():
-        if record.context is not None:
-            snap.contexts[name] = ckpt.read_context(name)
     return snap
 
 
