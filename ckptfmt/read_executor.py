@@ -42,6 +42,7 @@ from .storage import Store
 MIN_PART = 1 << 20
 MAX_PART = 64 << 20
 SCAN_BYTES = 8 << 20  # the unit of a streaming scan (verification): one buffer per file in flight
+SCANS_AHEAD = 8  # read-ahead threads: one per scan running at once (verify streams 4 files at a time)
 _BITS: dict[int, np.dtype[Any]] = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
 
 
@@ -116,11 +117,17 @@ class ReadExecutor:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # started on first use, kept until close()
         self._pool_size = 0
+        self._ahead: ThreadPoolExecutor | None = None  # the scans' read-ahead, started on first use
+        self._scan_buffers: list[tuple[memoryview, memoryview]] = []  # idle pairs, one per concurrent scan
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self._ahead is not None:
+            self._ahead.shutdown()
+            self._ahead = None
+        self._scan_buffers.clear()
 
     # ------------------------------------------------------------------ filling targets
 
@@ -224,28 +231,52 @@ class ReadExecutor:
 
     def scan(self, path: str, size: int, consume: Callable[[int, memoryview], None]) -> None:
         """Every byte of a file, in order, ``SCAN_BYTES`` at a time, handed to ``consume(offset, view)``; the
-        next read is in flight while ``consume`` runs."""
+        next read is in flight while ``consume`` runs.
+
+        The two buffers and the read-ahead thread are the executor's, reused file after file: a verify of a
+        thousand files would otherwise fault in (and zero) 16 MiB of fresh memory and start a thread per file,
+        which made a verify in a fresh process run at a sixth of ``cat``'s speed with the files cached."""
         if size == 0:
             return
-        buffers = [memoryview(bytearray(min(SCAN_BYTES, size))) for _ in range(2)]
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-scan") as ahead:
+        buffers = self._take_scan_buffers()
+        pending: Future[memoryview] | None = None
 
-            def read(pos: int, buf: memoryview) -> memoryview:
-                view = buf[: min(len(buf), size - pos)]
-                self.store.read_ranges(path, [(pos, view)], keep_cached=self.keep_cached)
-                return view
+        def read(pos: int, buf: memoryview) -> memoryview:
+            view = buf[: min(len(buf), size - pos)]
+            self.store.read_ranges(path, [(pos, view)], keep_cached=self.keep_cached)
+            return view
 
-            pending = ahead.submit(read, 0, buffers[0])
+        try:
+            pending = self._read_ahead().submit(read, 0, buffers[0])
             pos, turn = 0, 0
             while pos < size:
                 view = pending.result()
                 nxt = pos + len(view)
                 if nxt < size:
-                    pending = ahead.submit(read, nxt, buffers[1 - turn])
+                    pending = self._read_ahead().submit(read, nxt, buffers[1 - turn])
                 consume(pos, view)
                 with self._lock:
                     self.bytes_read += len(view)
                 pos, turn = nxt, 1 - turn
+        finally:
+            if pending is not None:
+                wait([pending])  # a read still in flight (consume raised) must not land in a reused buffer
+            with self._lock:
+                self._scan_buffers.append(buffers)
+
+    def _take_scan_buffers(self) -> tuple[memoryview, memoryview]:
+        with self._lock:
+            if self._scan_buffers:
+                return self._scan_buffers.pop()
+        # uninitialized: bytearray would zero 16 MiB that the reads overwrite anyway
+        first, second = (byte_view(np.empty(SCAN_BYTES, dtype=np.uint8)) for _ in range(2))
+        return first, second
+
+    def _read_ahead(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._ahead is None:
+                self._ahead = ThreadPoolExecutor(max_workers=SCANS_AHEAD, thread_name_prefix="ckptfmt-scan")
+            return self._ahead
 
 
 def _finish(live: _Live, verify: bool) -> None:

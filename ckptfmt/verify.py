@@ -121,7 +121,14 @@ def verify_checkpoint(
 ) -> VerifyReport:
     """Every problem of a checkpoint: ``workers`` data files are streamed (hashed, frames decoded) at once."""
     checks = FileChecks(store, manifest)
-    ckpt = _Target(store.url, checkpoint_id, store, manifest, checks, ReadExecutor(store, checks, keep_cached=False))
+    executor = ReadExecutor(store, checks, keep_cached=False)
+    try:
+        return _verify(_Target(store.url, checkpoint_id, store, manifest, checks, executor), quick, progress, workers)
+    finally:
+        executor.close()
+
+
+def _verify(ckpt: _Target, quick: bool, progress: Callable[[int], None] | None, workers: int) -> VerifyReport:
     report = VerifyReport(url=ckpt.url, checkpoint_id=ckpt.id, quick=quick)
     owners: dict[str, tuple[str, list[tuple[str, ChunkRecord]]]] = {}
     for fname, record in ckpt.fields.items():

@@ -52,3 +52,43 @@ def test_local_readers_share_the_cores_with_the_other_ranks_of_the_node(
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
     assert read_executor.default_workers(LocalStore(tmp_path)) == expected
     assert read_executor.default_workers(open_store("memory://workers")) == 8  # requests wait on the network
+
+
+def test_scans_reuse_their_buffers_and_read_ahead_threads(tmp_path: Path) -> None:
+    """A verify of many files streams each through the same two buffers and thread (no 16 MiB of fresh memory
+    and no new thread per file); a consumer that fails mid-file gives them back only once no read is in flight."""
+    import threading
+
+    from ckptfmt.file_checks import FileChecks
+    from ckptfmt.read_executor import ReadExecutor
+    from ckptfmt.storage import LocalStore
+
+    rng = np.random.default_rng(5)
+    with ckptfmt.open_writer(tmp_path / "c", profile="weights", target_file_size=1 << 20) as w:
+        for i in range(6):
+            w.write_tensor("weights", f"t{i}", rng.standard_normal(300_000).astype(np.float32))  # 1.2 MB: a file each
+    store = LocalStore(tmp_path / "c")
+    ckpt = ckptfmt.open(tmp_path / "c")
+    files = [f for f in ckpt.manifest.files if f.path.endswith(".safetensors")]
+    assert len(files) == 6
+    executor = ReadExecutor(store, FileChecks(store, ckpt.manifest))
+
+    def scanned(path: str, size: int) -> bytes:
+        parts: list[bytes] = []
+        executor.scan(path, size, lambda pos, view: parts.append(bytes(view)))
+        return b"".join(parts)
+
+    for file in files:
+        assert scanned(file.path, file.size) == (tmp_path / "c" / file.path).read_bytes()
+    assert len(executor._scan_buffers) == 1  # one pair, reused by every file
+
+    def failing(pos: int, view: memoryview) -> None:
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        executor.scan(files[0].path, files[0].size, failing)
+    assert len(executor._scan_buffers) == 1
+    assert scanned(files[1].path, files[1].size) == (tmp_path / "c" / files[1].path).read_bytes()
+    executor.close()
+    ckpt.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptfmt-scan")]
