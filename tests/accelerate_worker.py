@@ -5,7 +5,8 @@ Each process stands for a node with a local disk of its own: its TMPDIR, which n
 there fail as it would on another machine). Each process trains an epoch of a tiny model with dropout whose
 generators part ways by process, saves through ``save_state`` to URL (shared storage), trains a second epoch,
 then loads the checkpoint back with its generators scrambled and trains that epoch again: it must get its own
-generators back and end bit-identical.
+generators back and end bit-identical. With ``--main-cannot-write`` the main process's import fails, and every
+process must raise a library error at once (none may wait for the others).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
+from ckptfmt.errors import CheckpointError
 from ckptfmt.integrations.accelerate import load_state, save_state
 
 
@@ -69,6 +71,14 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))
 
     epoch(accelerator, model, optimizer, loader, rank)
+    if "--main-cannot-write" in sys.argv:  # URL is below a regular file: the main process's import fails
+        try:
+            save_state(accelerator, url, step=len(loader), data={"epoch": 1, "global_sample_offset": 16})
+        except CheckpointError as exc:
+            print(f"process {rank} refused: {type(exc).__name__}: {exc}", flush=True)
+            accelerator.wait_for_everyone()  # a trainer that carries on: every process is in step again
+            return
+        raise AssertionError("the save did not fail")
     saved = rng_state()
     save_state(accelerator, url, step=len(loader), data={"epoch": 1, "global_sample_offset": 16})
     epoch(accelerator, model, optimizer, loader, rank)

@@ -138,6 +138,23 @@ def test_processes_with_their_own_local_disks_save_and_load(tmp_path: Path) -> N
     assert [list(disk.glob("ckptfmt-*")) for disk in disks] == [[], []]  # the staging directories are gone
 
 
+def test_a_save_the_main_process_cannot_commit_fails_on_every_process_at_once(tmp_path: Path) -> None:
+    """The main process's import fails (the URL is below a regular file): it raises, and the other process raises
+    CollectiveError naming the main's error, instead of waiting in the last barrier until the job's timeout."""
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    for disk in disks:
+        disk.mkdir()
+    (tmp_path / "a-file").write_bytes(b"not a directory")
+    env = [{"TMPDIR": str(disk), "CKPTFMT_TEST_FOREIGN": str(disks[1 - r])} for r, disk in enumerate(disks)]
+    url = str(tmp_path / "a-file" / "ckpt")
+    results = launch(
+        Path(__file__).with_name("accelerate_worker.py"), [url, "--main-cannot-write"], 2, env=env, timeout=90
+    )
+    main, other = (r.stdout for r in results)
+    assert "process 0 refused" in main and "process 1 refused: CollectiveError" in other, (main, other)
+    assert "did not save the checkpoint" in other and main.split("refused: ")[1].split(":")[0] in other
+
+
 def test_a_given_staging_directory_holds_one_directory_per_process(tmp_path: Path) -> None:
     accelerator = setup()[0]
     save_state(accelerator, tmp_path / "ckpt", step=0, data={"epoch": 0, "global_sample_offset": 0}, staging=tmp_path)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..convert.accelerate import export_accelerate, import_accelerate
+from ..errors import CollectiveError
 
 _RNG_FILE = "random_states_{}.pkl"  # what Accelerate's save_state writes on process <index>
 
@@ -79,6 +80,7 @@ def save_state(
     from ..torch.state import config_field
 
     directory = _staging(accelerator, staging)
+    failure: BaseException | None = None
     try:
         accelerator.save_state(directory)
         _collect_rng_files(accelerator, directory)
@@ -88,13 +90,35 @@ def save_state(
                 known["data"] = dict(data)
             if config is not None:
                 known["config"] = config_field(config)
-            import_accelerate(
-                directory, os.fspath(url), storage_options=storage_options, overwrite=True, known=known, step=step
-            )
+            try:
+                import_accelerate(
+                    directory, os.fspath(url), storage_options=storage_options, overwrite=True, known=known, step=step
+                )
+            except BaseException as exc:
+                failure = exc
     finally:
         if staging is None:
             shutil.rmtree(directory, ignore_errors=True)
+    _share_outcome(failure)
+    if failure is not None:
+        raise failure
     accelerator.wait_for_everyone()
+
+
+def _share_outcome(failure: BaseException | None) -> None:
+    """The main process tells the others whether it committed the checkpoint; they raise if it did not. Without
+    this they waited in the last barrier for a main process that had raised, until the job's timeout."""
+    from ..torch.collective import default_collective
+
+    collective = default_collective()
+    if collective is None:
+        return
+    if collective.rank == 0:
+        collective.broadcast(b"" if failure is None else f"{type(failure).__name__}: {failure}".encode(), src=0)
+        return
+    message = collective.broadcast(None, src=0)
+    if message:
+        raise CollectiveError(f"the main process did not save the checkpoint: {message.decode(errors='replace')}")
 
 
 def load_state(
