@@ -233,12 +233,11 @@ class ReadExecutor:
         """Every byte of a file, in order, ``SCAN_BYTES`` at a time, handed to ``consume(offset, view)``; the
         next read is in flight while ``consume`` runs.
 
-        The two buffers and the read-ahead thread are the executor's, reused file after file: a verify of a
-        thousand files would otherwise fault in (and zero) 16 MiB of fresh memory and start a thread per file,
-        which made a verify in a fresh process run at a sixth of ``cat``'s speed with the files cached."""
+        The read-ahead thread, and for files of ``SCAN_BYTES`` or more the two buffers, are the executor's, reused
+        file after file: a verify of many files allocated and zeroed 16 MiB and started a thread per file."""
         if size == 0:
             return
-        buffers = self._take_scan_buffers()
+        buffers = self._take_scan_buffers(size)
         pending: Future[memoryview] | None = None
 
         def read(pos: int, buf: memoryview) -> memoryview:
@@ -261,15 +260,19 @@ class ReadExecutor:
         finally:
             if pending is not None:
                 wait([pending])  # a read still in flight (consume raised) must not land in a reused buffer
-            with self._lock:
-                self._scan_buffers.append(buffers)
+            if len(buffers[0]) == SCAN_BYTES:
+                with self._lock:
+                    self._scan_buffers.append(buffers)
 
-    def _take_scan_buffers(self) -> tuple[memoryview, memoryview]:
-        with self._lock:
-            if self._scan_buffers:
-                return self._scan_buffers.pop()
-        # uninitialized: bytearray would zero 16 MiB that the reads overwrite anyway
-        first, second = (byte_view(np.empty(SCAN_BYTES, dtype=np.uint8)) for _ in range(2))
+    def _take_scan_buffers(self, size: int) -> tuple[memoryview, memoryview]:
+        """A pair of the executor's full-size buffers for a file of ``SCAN_BYTES`` or more; a pair of its own size
+        (not kept) for a smaller one, so that memory follows the files being scanned."""
+        if size >= SCAN_BYTES:
+            with self._lock:
+                if self._scan_buffers:
+                    return self._scan_buffers.pop()
+        # uninitialized: bytearray would zero bytes that the reads overwrite anyway
+        first, second = (byte_view(np.empty(min(size, SCAN_BYTES), dtype=np.uint8)) for _ in range(2))
         return first, second
 
     def _read_ahead(self) -> ThreadPoolExecutor:

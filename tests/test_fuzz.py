@@ -94,7 +94,7 @@ def test_target(name: str, campaign: Campaign) -> None:
     if new:
         lines = [f"{len(new)} violation sample(s) of {name}, seed {SEED}:"]
         for v in new[:10]:
-            lines.append(f"- {v.outcome.signature}\n  {v.outcome.detail}\n  input: {v.case.describe()}")
+            lines.append(f"- {v.outcome.signature}\n  {v.outcome.detail}\n  input: {v.case.summary()}")
             lines.append(f"  replay: .venv/bin/python tests/hostile/run.py --replay {v.target}:{v.seed}:{v.example}")
         pytest.fail("\n".join(lines))
 

@@ -54,14 +54,18 @@ def test_local_readers_share_the_cores_with_the_other_ranks_of_the_node(
     assert read_executor.default_workers(open_store("memory://workers")) == 8  # requests wait on the network
 
 
-def test_scans_reuse_their_buffers_and_read_ahead_threads(tmp_path: Path) -> None:
-    """A verify of many files streams each through the same two buffers and thread (no 16 MiB of fresh memory
-    and no new thread per file); a consumer that fails mid-file gives them back only once no read is in flight."""
+def test_scans_reuse_their_buffers_and_read_ahead_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify of many large files streams each through the same two buffers and thread (no fresh 16 MiB and no
+    new thread per file); a consumer that fails mid-file gives them back only once no read is in flight; a file
+    smaller than a buffer gets buffers of its own size, not kept."""
     import threading
 
+    from ckptfmt import read_executor
     from ckptfmt.file_checks import FileChecks
     from ckptfmt.read_executor import ReadExecutor
     from ckptfmt.storage import LocalStore
+
+    monkeypatch.setattr(read_executor, "SCAN_BYTES", 1 << 18)  # each 1.2 MB file is read in five pieces
 
     rng = np.random.default_rng(5)
     with ckptfmt.open_writer(tmp_path / "c", profile="weights", target_file_size=1 << 20) as w:
@@ -89,6 +93,9 @@ def test_scans_reuse_their_buffers_and_read_ahead_threads(tmp_path: Path) -> Non
         executor.scan(files[0].path, files[0].size, failing)
     assert len(executor._scan_buffers) == 1
     assert scanned(files[1].path, files[1].size) == (tmp_path / "c" / files[1].path).read_bytes()
+    small = next(f for f in ckpt.manifest.files if f.size < (1 << 18))  # a context blob
+    assert scanned(small.path, small.size) == (tmp_path / "c" / small.path).read_bytes()
+    assert len(executor._scan_buffers) == 1 and len(executor._scan_buffers[0][0]) == 1 << 18
     executor.close()
     ckpt.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptfmt-scan")]

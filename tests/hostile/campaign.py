@@ -62,7 +62,7 @@ class Violation:
             "reason": self.outcome.reason,
             "detail": self.outcome.detail,
             "signature": self.outcome.signature,
-            "input": self.case.describe(),
+            "input": self.case.summary(),
             "reproduce": self.reproduce(),
         }
 

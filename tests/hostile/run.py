@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         name, seed, example = args.replay.rsplit(":", 2)
         outcome, case = replay(name, int(seed), int(example))
-        print(f"{outcome.status} {outcome.reason} {outcome.detail}\ninput: {case.describe()}")
+        print(f"{outcome.status} {outcome.reason} {outcome.detail}\ninput: {case.summary()}")
         if case.data:
             print(f"bytes: {case.data[:2000]!r}")
         return 1 if outcome.status == "violation" else 0
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(campaign.table())
         for stats in campaign.stats.values():
             for v in stats.samples:
-                print(f"VIOLATION {v.target}: {v.outcome.detail}\n    input: {v.case.describe()}\n    {v.reproduce()}")
+                print(f"VIOLATION {v.target}: {v.outcome.detail}\n    input: {v.case.summary()}\n    {v.reproduce()}")
                 if args.save:
                     print(f"    saved in {v.save(args.save)}")
         if args.json:

@@ -55,7 +55,8 @@ class Case:
         trees = (self.tree, self.dest)
         return len(self.data) + sum(len(v) for tree in trees for v in tree.values() if isinstance(v, bytes))
 
-    def holder(self) -> str:
+    def summary(self) -> str:
+        """What the input was, for a violation's report."""
         if self.tree:
             return f"tree of {len(self.tree)} entries, args {list(self.args)}"
         return f"{len(self.data)} bytes, args {list(self.args)}"
