@@ -10,17 +10,23 @@ if [ "$#" -gt 0 ]; then
   mypy
   exec pytest -q -p no:cacheprovider "$@"
 fi
-# mypy (one core, 12 s) runs beside the first pytest run, which leaves part of a core idle; its verdict counts
-mypy_log="$(mktemp)"
-mypy >"$mypy_log" 2>&1 &
+# Everything else at once, on CI's 2 cores: mypy (one core, 12 s), the single-process tests on
+# CKPTFMT_TEST_WORKERS pytest-xdist workers (default 2), and beside them the multi-process end-to-end tests
+# (`slow`) one module at a time. Each run alone left part of the machine idle (waiting on fsyncs, on subprocesses
+# starting, on the other worker's last test): one after the other they took 618 s, together XXX s.
+# The processes use no numpy BLAS: OpenBLAS would start a spinning thread per core in each of the suite's
+# thousands of processes that import numpy (0.1 s of CPU each; 23 of the whole conformance run's 99 CPU-seconds).
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+logs="$(mktemp -d)"
+mypy >"$logs/mypy" 2>&1 &
 mypy_pid=$!
-# Two runs, together the whole suite: the single-process tests on CKPTFMT_TEST_WORKERS pytest-xdist workers
-# (default 2, CI's cores: they leave a core idle on their own, 427 s -> 284 s here), then the multi-process
-# end-to-end tests (`slow`) one at a time, as each already keeps both cores busy with its ranks.
+pytest -q -p no:cacheprovider -m slow --durations=15 >"$logs/slow" 2>&1 &
+slow_pid=$!
 status=0
 pytest -q -p no:cacheprovider -m "not slow" -n "${CKPTFMT_TEST_WORKERS:-2}" --durations=15 || status=$?
 wait "$mypy_pid" || status=$((status > 0 ? status : 1))
-cat "$mypy_log"
-rm -f "$mypy_log"
-pytest -q -p no:cacheprovider -m slow --durations=15 || status=$((status > 0 ? status : $?))
+cat "$logs/mypy"
+wait "$slow_pid" || status=$((status > 0 ? status : 1))
+cat "$logs/slow"
+rm -rf "$logs"
 exit "$status"
