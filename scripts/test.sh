@@ -13,9 +13,9 @@ fi
 # Everything else at once, on CI's 2 cores: mypy (one core, 12 s), the single-process tests on
 # CKPTFMT_TEST_WORKERS pytest-xdist workers (default 2), and beside them the multi-process end-to-end tests
 # (`slow`) one module at a time. Each run alone left part of the machine idle (waiting on fsyncs, on subprocesses
-# starting, on the other worker's last test): one after the other they took 618 s, together XXX s.
-# The processes use no numpy BLAS: OpenBLAS would start a spinning thread per core in each of the suite's
-# thousands of processes that import numpy (0.1 s of CPU each; 23 of the whole conformance run's 99 CPU-seconds).
+# starting, on the other worker's last test): one after the other they took 330 + 349 s, together 601 s.
+# The processes use no numpy BLAS: OpenBLAS would start a spinning thread per core in every process that imports
+# numpy (0.1 s of CPU each; 23 of the whole conformance run's 99 CPU-seconds).
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 logs="$(mktemp -d)"
 mypy >"$logs/mypy" 2>&1 &
