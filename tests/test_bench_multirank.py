@@ -30,9 +30,11 @@ def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert set(report["worlds"]) == {"1", "2", "4"}
     for m in report["worlds"].values():
-        assert set(m) == {"ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load", "load_ratios"}
-        assert all(m[k] > 0 for k in ("ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load"))
+        timed = {"ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load", "ckptfmt_restart", "dcp_restart"}
+        assert set(m) == timed | {"load_ratios", "restart_ratios"}
+        assert all(m[k] > 0 for k in timed)
         assert m["load_ratios"] == [m["dcp_load"] / m["ckptfmt_load"]]  # one repetition: its ratio
+        assert m["restart_ratios"] == [m["dcp_restart"] / m["ckptfmt_restart"]]
     assert set(report["reshard"]) == {"4->3", "4->2"}
     for label, m in report["reshard"].items():
         world = int(label.split("->")[1])
@@ -41,4 +43,5 @@ def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
         assert all(0 < f <= 1 for f in m["per_rank"]) and m["sum"] >= 0.99
         assert m["ratios"] == [m["dcp_load"] / m["ckptfmt_read"]]
     assert "| ranks | ckptfmt save |" in proc.stdout and "| 3 ranks |" in proc.stdout
+    assert "Loaded by a restart" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing left behind
