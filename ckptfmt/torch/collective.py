@@ -16,19 +16,35 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 
-_CPU_GROUPS: dict[tuple[int, float | None, str], Any] = {}
+# (id of the user's group, timeout, purpose) -> (that group, our gloo group over its ranks). The user's group is
+# held so that its id cannot be reused by another group while the entry lives.
+_CPU_GROUPS: dict[tuple[int, float | None, str], tuple[Any, Any]] = {}
 
 
 def _cpu_group(group: Any, timeout: timedelta | None, purpose: str = "") -> Any:
     """A gloo group over the same ranks as ``group`` (itself when it is gloo and neither a timeout nor a
-    purpose is asked); one per ``purpose``, so that two background threads never share a group."""
+    purpose is asked); one per ``purpose``, so that two background threads never share a group. A group of
+    ours that torch has destroyed since (``destroy_process_group``, then a new ``init_process_group`` in the same
+    process: an in-process restart) is made again, never handed out."""
     if dist.get_backend(group) == "gloo" and timeout is None and not purpose:
         return group
     key = (id(group), timeout.total_seconds() if timeout is not None else None, purpose)
-    if key not in _CPU_GROUPS:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-    return _CPU_GROUPS[key]
+    cached = _CPU_GROUPS.get(key)
+    if cached is not None and cached[0] is group and _registered(cached[1]):
+        return cached[1]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    made = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    _CPU_GROUPS[key] = (group, made)
+    return made
+
+
+def _registered(group: Any) -> bool:
+    """Whether torch still knows ``group`` (destroying the default group destroys every group)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 class TorchCollective:
