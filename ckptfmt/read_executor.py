@@ -30,13 +30,13 @@ import numpy as np
 
 from . import dtypes, host_memory
 from .arrays import byte_view
-from .blocks import HEX_DIGITS, BlockHasher
+from .blocks import HEX_DIGITS, BlockHasher, Blocks
 from .codecs import get_codec
-from .digests import algorithm_of, format_digest, new_hasher
-from .errors import CheckpointError, DigestMismatchError
+from .digests import Hasher, algorithm_of, format_digest, new_hasher
+from .errors import CheckpointError, DigestMismatchError, UsageError
 from .file_checks import FileChecks
 from .manifest import ChunkRecord
-from .read_plan import Piece, ReadPlan
+from .read_plan import Piece, ReadPlan, Target
 from .storage import Store
 
 MIN_PART = 1 << 20
@@ -131,9 +131,17 @@ class ReadExecutor:
 
     # ------------------------------------------------------------------ filling targets
 
-    def fill(self, plan: ReadPlan, *, verify: bool = True) -> list[np.ndarray[Any, Any]]:
-        """The plan's targets, every piece read and checked; nothing is returned if any check fails."""
-        allocated = [host_memory.empty(t.shape, dtypes.to_numpy(t.dtype)) for t in plan.targets]
+    def fill(
+        self, plan: ReadPlan, *, verify: bool = True, into: Sequence[np.ndarray[Any, Any]] | None = None
+    ) -> list[np.ndarray[Any, Any]]:
+        """The plan's targets, every piece read and checked; nothing is returned if any check fails.
+
+        ``into``: the caller's arrays, one per target (C-contiguous, writable, the target's shape and dtype), filled
+        in place and returned; if a check fails they hold part of what was read."""
+        if into is None:
+            allocated = [host_memory.empty(t.shape, dtypes.to_numpy(t.dtype)) for t in plan.targets]
+        else:
+            allocated = [(_destination(t, array), None) for t, array in zip(plan.targets, into, strict=True)]
         arrays = [array for array, _ in allocated]
         if not plan.pieces:
             return arrays
@@ -164,6 +172,54 @@ class ReadExecutor:
         with host_memory.Populator(mappings):
             self._run([functools.partial(self._task, path, parts, verify) for path, parts in tasks])
         return arrays
+
+    def check(self, plan: ReadPlan) -> None:
+        """Every byte a :meth:`fill` of ``plan`` would read, read and checked the same way, and nothing kept: the
+        first half of a load into memory that must not change unless all of it is good. Bytes stream through the
+        executor's scan buffers, so memory stays bounded, and stay in the page cache for the fill that follows."""
+        if any(piece.check == "frames" for piece in plan.pieces):
+            raise UsageError("a check without a fill reads raw chunks only (an encoded chunk is checked as decoded)")
+        if not plan.pieces:
+            return
+        by_file = plan.by_file()
+        first = {path: plan.targets[pieces[0].target] for path, pieces in by_file.items()}
+        self._check_files({path: (t.field, t.tensor) for path, t in sorted(first.items())})
+        self._run([functools.partial(self._check_file, path, pieces, plan) for path, pieces in by_file.items()])
+
+    def _check_file(self, path: str, pieces: Sequence[Piece], plan: ReadPlan) -> None:
+        """The file's pieces as few streams as their ranges allow (runs of adjacent or overlapping ranges, read
+        ahead), each byte handed to the hasher of every piece that holds it; a piece is compared as it ends."""
+        todo = sorted((p for p in pieces if p.check != "none"), key=lambda p: (p.begin, p.end))
+        hashers = [_piece_hasher(p) for p in todo]
+        runs: list[list[int]] = []
+        for piece in todo:
+            if runs and piece.begin <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], piece.end)
+            else:
+                runs.append([piece.begin, piece.end])
+        first = 0  # the first piece not compared yet
+
+        def consume(at: int, view: memoryview) -> None:
+            nonlocal first
+            end = at + len(view)
+            for k in range(first, len(todo)):
+                piece = todo[k]
+                if piece.begin >= end:
+                    break
+                lo, hi = max(piece.begin, at), min(piece.end, end)
+                if hi > lo:
+                    hashers[k].update(view[lo - at : hi - at])
+                if piece.end <= end and k == first:
+                    first += 1
+                    target = plan.targets[piece.target]
+                    try:
+                        _compare_piece(piece, hashers[k])
+                    except CheckpointError as exc:
+                        exc.locate(path=path, field=target.field, tensor=target.tensor)
+                        raise
+
+        for begin, end in runs:
+            self._stream(path, begin, end, consume, keep_cached=True)
 
     def _check_files(self, readers: Mapping[str, tuple[str, str]]) -> None:
         """Size and header of every file not checked yet, concurrently; the first error in path order, located
@@ -235,23 +291,30 @@ class ReadExecutor:
 
         The read-ahead thread, and for files of ``SCAN_BYTES`` or more the two buffers, are the executor's, reused
         file after file: a verify of many files allocated and zeroed 16 MiB and started a thread per file."""
-        if size == 0:
+        self._stream(path, 0, size, consume, keep_cached=self.keep_cached)
+
+    def _stream(
+        self, path: str, begin: int, end: int, consume: Callable[[int, memoryview], None], *, keep_cached: bool
+    ) -> None:
+        """The bytes ``[begin, end)`` of a file, in order, as :meth:`scan` hands them out."""
+        size = end - begin
+        if size <= 0:
             return
         buffers = self._take_scan_buffers(size)
         pending: Future[memoryview] | None = None
 
         def read(pos: int, buf: memoryview) -> memoryview:
-            view = buf[: min(len(buf), size - pos)]
-            self.store.read_ranges(path, [(pos, view)], keep_cached=self.keep_cached)
+            view = buf[: min(len(buf), end - pos)]
+            self.store.read_ranges(path, [(pos, view)], keep_cached=keep_cached)
             return view
 
         try:
-            pending = self._read_ahead().submit(read, 0, buffers[0])
-            pos, turn = 0, 0
-            while pos < size:
+            pending = self._read_ahead().submit(read, begin, buffers[0])
+            pos, turn = begin, 0
+            while pos < end:
                 view = pending.result()
                 nxt = pos + len(view)
-                if nxt < size:
+                if nxt < end:
                     pending = self._read_ahead().submit(read, nxt, buffers[1 - turn])
                 consume(pos, view)
                 with self._lock:
@@ -299,13 +362,46 @@ def _finish(live: _Live, verify: bool) -> None:
         _copy(piece, views[0], live.array)
 
 
+def _piece_hasher(piece: Piece) -> Hasher | BlockHasher:
+    algorithm = algorithm_of(piece.chunk.digest)
+    if piece.check == "blocks" and piece.chunk.blocks is not None:
+        return BlockHasher(algorithm, piece.chunk.blocks.size)
+    return new_hasher(algorithm)
+
+
+def _compare_piece(piece: Piece, hasher: Hasher | BlockHasher) -> None:
+    if isinstance(hasher, BlockHasher):
+        _compare_blocks(piece, hasher.finish())
+    else:
+        _compare_chunk(piece.chunk, format_digest(algorithm_of(piece.chunk.digest), hasher))
+
+
+def _destination(target: Target, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``array`` if a fill can write ``target`` into it in place, else a UsageError naming the tensor."""
+    dtype = dtypes.to_numpy(target.dtype)
+    # the target's dtype, or unsigned integers of its width: its bit patterns, for dtypes numpy lacks (bfloat16...)
+    bits = array.dtype.kind == "u" and array.dtype.itemsize == dtype.itemsize
+    if array.shape != target.shape or not (array.dtype == dtype or bits):
+        raise UsageError(
+            f"cannot read a {target.dtype} region of shape {target.shape} into an array of {array.dtype} {array.shape}",
+            field=target.field,
+            tensor=target.tensor,
+        )
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        raise UsageError("a destination must be C-contiguous and writable", field=target.field, tensor=target.tensor)
+    return array
+
+
 def check_chunk(chunk: ChunkRecord, *views: memoryview) -> None:
     """DIG-4: raise DigestMismatchError unless the chunk's bytes (``views``, back to back) hash to its digest."""
     algorithm = algorithm_of(chunk.digest)
     hasher = new_hasher(algorithm)
     for view in views:
         hasher.update(view)
-    actual = format_digest(algorithm, hasher)
+    _compare_chunk(chunk, format_digest(algorithm, hasher))
+
+
+def _compare_chunk(chunk: ChunkRecord, actual: str) -> None:
     if actual != chunk.digest:
         raise DigestMismatchError(
             f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
@@ -322,7 +418,13 @@ def check_block_views(piece: Piece, views: Sequence[memoryview]) -> None:
     hasher = BlockHasher(algorithm, blocks.size)
     for view in views:
         hasher.update(view)
-    found = hasher.finish()
+    _compare_blocks(piece, hasher.finish())
+
+
+def _compare_blocks(piece: Piece, found: Blocks) -> None:
+    chunk, blocks = piece.chunk, piece.chunk.blocks
+    assert blocks is not None
+    algorithm = algorithm_of(chunk.digest)
     width = HEX_DIGITS[algorithm]
     for i in range(len(found.digests) // width):
         index = piece.first_block + i

@@ -42,7 +42,7 @@ from .manifest import (
 from .manifest_parse import parse_manifest
 from .paths import MANIFEST_NAME
 from .read_executor import ReadExecutor, check_chunk, default_workers
-from .read_plan import Target, plan_read, whole
+from .read_plan import ReadPlan, Target, plan_read, whole
 from .storage import Store, open_store
 from .storage.routed import RoutedStore
 from .verify import VerifyReport, verify_checkpoint
@@ -184,16 +184,35 @@ class Checkpoint:
         return self.read_regions([target], verify=verify)[0]
 
     def read_regions(
-        self, targets: Sequence[Target], *, verify: bool = True, workers: int | None = None
+        self,
+        targets: Sequence[Target],
+        *,
+        verify: bool = True,
+        workers: int | None = None,
+        into: Sequence[np.ndarray[Any, Any]] | None = None,
     ) -> list[np.ndarray[Any, Any]]:
         """Several regions of several tensors in one plan: every file's pieces read together (adjacent ranges
         merged by the store), ``workers`` reads in flight (default: the store's, see ``default_workers``), each
-        piece checked before anything is returned."""
-        records = {(t.field, t.tensor): self.tensor(t.field, t.tensor) for t in targets}
-        plan = plan_read(records, targets, verify=verify)
-        self._executor.workers = default_workers(self.store) if workers is None else max(1, workers)
+        piece checked before anything is returned.
+
+        ``into``: an array per target to fill in place (C-contiguous, writable, the target's shape, its dtype or
+        unsigned integers of the same width); if a check fails, they hold part of what was read. To change
+        memory only when every byte is good, :meth:`check_regions` first."""
+        plan = self._plan(targets, verify=verify, workers=workers)
         self._executor.keep_cached = self.keep_cached
-        return self._executor.fill(plan, verify=verify)
+        return self._executor.fill(plan, verify=verify, into=into)
+
+    def check_regions(self, targets: Sequence[Target], *, workers: int | None = None) -> None:
+        """Read and check every byte :meth:`read_regions` of ``targets`` would use, keeping none of it (bounded
+        memory). The bytes stay in the page cache, so a ``read_regions(..., into=...)`` that follows copies them
+        from memory, checking them again: together, a load in place that touches nothing unless all of it is
+        good. Raw chunks only (a UsageError for an encoded one, which is checked by decoding it)."""
+        self._executor.check(self._plan(targets, verify=True, workers=workers))
+
+    def _plan(self, targets: Sequence[Target], *, verify: bool, workers: int | None) -> ReadPlan:
+        records = {(t.field, t.tensor): self.tensor(t.field, t.tensor) for t in targets}
+        self._executor.workers = default_workers(self.store) if workers is None else max(1, workers)
+        return plan_read(records, targets, verify=verify)
 
     def read_tensors(
         self, field: str, *, names: Sequence[str] | None = None, verify: bool = True, workers: int | None = None

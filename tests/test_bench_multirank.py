@@ -42,6 +42,7 @@ def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
         # fractions of the checkpoint; together the ranks read all of it at least once
         assert all(0 < f <= 1 for f in m["per_rank"]) and m["sum"] >= 0.99
         assert m["ratios"] == [m["dcp_load"] / m["ckptfmt_read"]]
+        assert m["ckptfmt_restart"] > 0 and m["restart_ratios"] == [m["dcp_restart"] / m["ckptfmt_restart"]]
     assert "| ranks | ckptfmt save |" in proc.stdout and "| 3 ranks |" in proc.stdout
-    assert "Loaded by a restart" in proc.stdout
+    assert "Loaded by a restart" in proc.stdout and "| 4-rank checkpoint restored on |" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing left behind

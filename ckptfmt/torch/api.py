@@ -22,8 +22,8 @@ from ..reader import Checkpoint, open_checkpoint
 from ..run import check_replaceable_url
 from ..storage import open_store
 from ..writer import CheckpointWriter
+from . import in_place, rng, sharding, state
 from . import loader as loader_mod
-from . import rng, sharding, state
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
@@ -378,6 +378,8 @@ def apply(
         if sampler is not None:
             loader_mod.restore_data(sampler, snap.contexts["data"])
         state.apply_model(model, snap)
+        if snap.copy_in is not None:  # last: the bytes of tensors loaded in place (in_place.py)
+            snap.copy_in()
     except BaseException:
         _roll_back(saved, generators)
         raise
@@ -385,9 +387,28 @@ def apply(
 
 def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
     """Resume from an open checkpoint: read and verify every field, then compare and apply (see :func:`restore`)."""
-    # everything read and verified before anything is applied; for a model's DTensors, only this rank's region
-    snap = state.read_snapshot(ckpt, state.load_targets(kwargs["model"]) if "model" in kwargs else None)
+    # everything read and verified before anything is applied; for a model's DTensors, only this rank's region;
+    # tensors with a home in host memory checked where they are stored, and copied in as the last step of applying
+    model = kwargs.get("model")
+    snap = state.read_snapshot(
+        ckpt, state.load_targets(model) if model is not None else None, _live(model, kwargs) if model else None
+    )
     return restore(snap, checkpoint_id=ckpt.id, url=ckpt.url, **kwargs)
+
+
+def _live(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[tuple[str, str], Any]:
+    """What a load may fill in place (``in_place.live_tensors``): the model's tensors, and the optimizer's state
+    unless the load leaves it out."""
+    optimizer = kwargs.get("optimizer")
+    if "optimizer" in kwargs.get("skip_fields", ()):
+        optimizer = None
+    names = None
+    if optimizer is not None:
+        try:
+            names = state.stored_param_names(model, optimizer)
+        except UsageError:
+            optimizer = None  # applying it raises the same error, after every check
+    return in_place.live_tensors(model, optimizer, names)
 
 
 def restore(

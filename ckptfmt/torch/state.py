@@ -10,7 +10,8 @@ checkpoint is refused before the model is touched.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,8 @@ from ..manifest import FieldRecord, Manifest
 from ..read_plan import Target, whole
 from ..reader import Checkpoint
 from ..writer import COORDINATOR, CheckpointWriter
-from . import rng
+from . import in_place, rng
+from .in_place import Checked
 from .sharding import (
     LocalShard,
     TargetShard,
@@ -40,7 +42,8 @@ from .sharding import (
     to_target,
 )
 
-Stored = np.ndarray[Any, Any] | LocalShard | TargetShard  # a whole tensor, this rank's piece, a loaded region
+# a whole tensor, this rank's piece, a loaded region, a region checked for a live tensor (in_place.py)
+Stored = np.ndarray[Any, Any] | LocalShard | TargetShard | Checked
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class Snapshot:
     tensors: dict[str, dict[str, Stored]] = field(default_factory=dict)
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     deferred: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
+    copy_in: Callable[[], None] | None = None  # fills the Checked tensors: the last step of applying a load
 
     def materialize(self, buffers: HostBuffers | None) -> None:
         """Take the deferred tensors: copies into ``buffers``, or (None) views of CPU tensors as they are,
@@ -120,6 +124,8 @@ def _to_torch(value: Stored) -> Any:
     """A stored value as what ``load_state_dict`` takes: a tensor, or a DTensor placed like its target."""
     if isinstance(value, TargetShard):
         return to_target(to_torch(value.array), value.like)
+    if isinstance(value, Checked):
+        return value.live  # loaded into itself (nothing copied); its bytes arrive with Snapshot.copy_in
     if isinstance(value, LocalShard):
         raise UsageError("a rank's own shard cannot be applied without its target placement")
     return to_torch(value)
@@ -187,8 +193,11 @@ def apply_model(model: torch.nn.Module, snap: Snapshot, strict: bool = True) -> 
     tensors = snap.tensors["weights"]
     aliases = snap.contexts.get("weights", {}).get("aliases", {})
     state: dict[str, torch.Tensor] = {name: _to_torch(value) for name, value in tensors.items()}
+    live = model.state_dict(keep_vars=True)
     for alias, target in aliases.items():
-        state[alias] = state[target]
+        # a stored tensor filled in place fills its aliases' own tensors too (read_snapshot): each loads into itself
+        checked = isinstance(tensors.get(target), Checked) and alias in live
+        state[alias] = live[alias] if checked else state[target]
     model.load_state_dict(state, strict=strict)
 
 
@@ -258,6 +267,14 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     return out
 
 
+def stored_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names a save records for the optimizer's parameters (in its index order)."""
+    names = _param_names(model, optimizer)
+    if any(is_dtensor(p) for p in model.parameters()):  # saved through get_optimizer_state_dict
+        names = [_dcp_fqn(name) for name in names]
+    return names
+
+
 _WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
@@ -305,10 +322,7 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: tor
         # By index, DTensor state included (it is placed like its parameter already): torch's
         # set_optimizer_state_dict first gives an optimizer without state its whole state by a step on zero
         # gradients, memory that the load then throws away (0.1 s of a 0.3 s restart of 192 MiB).
-        names = _param_names(model, optimizer)
-        if any(is_dtensor(p) for p in model.parameters()):  # saved through get_optimizer_state_dict
-            names = [_dcp_fqn(name) for name in names]
-        optimizer.load_state_dict(_by_index(loaded, names))
+        optimizer.load_state_dict(_by_index(loaded, stored_param_names(model, optimizer)))
         return
     optimizer.load_state_dict({"state": {int(pid): entries for pid, entries in stored.items()}, "param_groups": groups})
 
@@ -423,15 +437,22 @@ def _overlaps(offsets: Any, shape: Any, lo: Any, size: Any) -> bool:
     return all(o < b + s and b < o + n for o, n, b, s in zip(offsets, shape, lo, size, strict=True))
 
 
-def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) -> Snapshot:
+def read_snapshot(
+    ckpt: Checkpoint, targets: Mapping[str, Any] | None = None, live: Mapping[tuple[str, str], Any] | None = None
+) -> Snapshot:
     """Every field, every byte read and digest-checked, before anything is applied anywhere.
 
     ``targets`` maps a parameter's name to the live DTensor it will be loaded into (:func:`load_targets`):
     for it, and for optimizer state shaped like it (``<name>/exp_avg``...), only the region this rank
     holds is read, from the chunks that overlap it, whatever the saving topology.
+
+    ``live`` (:func:`in_place.live_tensors`) are tensors the load may fill in place: those that qualify are
+    checked now and become :class:`Checked` entries, filled by ``snap.copy_in()`` while ``ckpt`` is open.
     """
     snap = Snapshot()
     targets = targets or {}
+    records = {(n, t): tensor for n, r in ckpt.fields.items() if r.kind == "tensors" for t, tensor in r.tensors.items()}
+    checked = in_place.plan(records, live or {})
     # One read plan for every tensor of every field: each file's pieces are read together and files in parallel.
     regions: list[Target] = []
     likes: list[Any] = []
@@ -441,6 +462,9 @@ def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) ->
         placed = _placed(name, record, targets)
         snap.tensors[name] = {}
         for tname, tensor in record.tensors.items():
+            if (name, tname) in checked:
+                snap.tensors[name][tname] = checked[(name, tname)]
+                continue
             like = placed.get(tname)
             if like is None:
                 regions.append(whole(name, tname, tensor))
@@ -454,10 +478,39 @@ def read_snapshot(ckpt: Checkpoint, targets: Mapping[str, Any] | None = None) ->
             lambda: {name: ckpt.read_context(name) for name, record in ckpt.fields.items() if record.context}
         )
         arrays = ckpt.read_regions(regions)
+        ckpt.check_regions([c.target for c in checked.values()])
         snap.contexts.update(contexts.result())
     for region, like, array in zip(regions, likes, arrays, strict=True):
         snap.tensors[region.field][region.tensor] = array if like is None else TargetShard(array, like)
+    if checked:
+        aliased = _untied_aliases(ckpt, snap, checked, records, live or {})  # may take some out of checked
+        fills = list(checked.values()) + aliased
+        snap.copy_in = functools.partial(in_place.copy_in, ckpt, fills)
     return snap
+
+
+def _untied_aliases(
+    ckpt: Checkpoint,
+    snap: Snapshot,
+    checked: dict[tuple[str, str], Checked],
+    records: Mapping[tuple[str, str], Any],
+    live: Mapping[tuple[str, str], Any],
+) -> list[Checked]:
+    """A tensor saved tied (stored once, the other names aliases) loaded into a model where it is not: each alias's
+    own tensor is filled from the stored one too; where it cannot be (another device...), the stored tensor is
+    read into memory instead, as without in-place loads, and copied to both."""
+    out: list[Checked] = []
+    for alias, name in snap.contexts.get("weights", {}).get("aliases", {}).items():
+        stored, mine = checked.get(("weights", name)), live.get(("weights", alias))
+        if stored is None or mine is None or in_place.same_memory(mine, stored.live):
+            continue
+        fits = in_place.plan({("weights", alias): records[("weights", name)]}, {("weights", alias): mine})
+        if fits:
+            out.append(Checked(stored.target, mine, fits[("weights", alias)].local))
+        else:
+            snap.tensors["weights"][name] = ckpt.read_regions([stored.target])[0]
+            checked.pop(("weights", name))
+    return [c for c in out if ("weights", c.target.tensor) in checked]
 
 
 def load_targets(model: torch.nn.Module) -> dict[str, Any]:
