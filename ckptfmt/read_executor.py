@@ -42,6 +42,9 @@ from .storage import Store
 MIN_PART = 1 << 20
 MAX_PART = 64 << 20
 SCAN_BYTES = 8 << 20  # the unit of a streaming scan (verification): one buffer per file in flight
+# A check streams across gaps up to this between the ranges it needs (the small tensors between the large ones: an
+# optimizer's step counts between its moments) instead of starting a new stream: the disk's readahead is there.
+CHECK_GAP = 1 << 20
 SCANS_AHEAD = 8  # read-ahead threads: one per scan running at once (verify streams 4 files at a time)
 _BITS: dict[int, np.dtype[Any]] = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
 
@@ -184,16 +187,18 @@ class ReadExecutor:
         by_file = plan.by_file()
         first = {path: plan.targets[pieces[0].target] for path, pieces in by_file.items()}
         self._check_files({path: (t.field, t.tensor) for path, t in sorted(first.items())})
+        # One stream per file (splitting the largest file in two to keep both readers busy measured slower: 0.167 s
+        # against 0.152 s for 192 MiB in two files, median of 10; the kernel's readahead restarts with each stream).
         self._run([functools.partial(self._check_file, path, pieces, plan) for path, pieces in by_file.items()])
 
     def _check_file(self, path: str, pieces: Sequence[Piece], plan: ReadPlan) -> None:
-        """The file's pieces as few streams as their ranges allow (runs of adjacent or overlapping ranges, read
+        """The file's pieces as few streams as their ranges allow (runs of ranges at most ``CHECK_GAP`` apart, read
         ahead), each byte handed to the hasher of every piece that holds it; a piece is compared as it ends."""
         todo = sorted((p for p in pieces if p.check != "none"), key=lambda p: (p.begin, p.end))
         hashers = [_piece_hasher(p) for p in todo]
         runs: list[list[int]] = []
         for piece in todo:
-            if runs and piece.begin <= runs[-1][1]:
+            if runs and piece.begin <= runs[-1][1] + CHECK_GAP:
                 runs[-1][1] = max(runs[-1][1], piece.end)
             else:
                 runs.append([piece.begin, piece.end])

@@ -196,3 +196,26 @@ def test_a_tied_tensor_fills_each_of_its_names_in_place(tmp_path: Path, tied_now
     assert torch.equal(model.embed.weight, saved.embed.weight) and torch.equal(model.head.weight, saved.embed.weight)
     assert (model.embed.weight.data_ptr(), model.head.weight.data_ptr()) == before
     assert (model.head.weight is model.embed.weight) == tied_now
+
+
+def test_a_check_streams_across_the_small_tensors_between_and_checks_only_its_own(tmp_path: Path) -> None:
+    """``a``, ``m``, ``z`` back to back in one file: checking ``a`` and ``z`` reads across ``m`` (one stream) but
+    does not judge it, so a flip there passes this check and the read of ``m`` catches it."""
+    url = tmp_path / "g"
+    big = np.arange(1 << 16, dtype=np.float32)
+    with ckptfmt.open_writer(url, profile="weights") as w:
+        w.write_tensors("weights", {"a": big, "m": np.array([7], dtype=np.int64), "z": big + 1})
+    with ckptfmt.open(url) as ckpt:
+        records = {n: ckpt.tensor("weights", n) for n in ("a", "m", "z")}
+        assert sorted(records, key=lambda n: records[n].chunks[0].begin) == ["a", "m", "z"]
+        assert len({r.chunks[0].path for r in records.values()}) == 1
+        ckpt.check_regions([whole("weights", n, records[n]) for n in ("a", "z")])
+        assert ckpt.bytes_read == records["z"].chunks[0].end - records["a"].chunks[0].begin  # across m: one stream
+    path = next((url / "weights").glob("*.safetensors"))
+    with open(path, "r+b") as f:
+        f.seek(records["m"].chunks[0].begin)
+        f.write(b"\x08")
+    with ckptfmt.open(url) as ckpt:
+        ckpt.check_regions([whole("weights", n, records[n]) for n in ("a", "z")])
+        with pytest.raises(DigestMismatchError):
+            ckpt.read_tensor("weights", "m")
