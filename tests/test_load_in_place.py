@@ -104,6 +104,22 @@ def test_bytes_changed_between_the_check_and_the_copy_are_caught_and_said(
     assert any("files changed during the load" in note for note in info.value.__notes__)
 
 
+def test_from_an_object_store_the_load_reads_once_into_new_memory(tmp_path: Path) -> None:
+    """No page cache to take the second pass from (memory:// as an object store would be): read once, as before."""
+    model, opt = _trained(0, 3)
+    url = f"memory://in-place-{tmp_path.name}/c"
+    api.save(url, step=3, model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0), config={})
+    expected = copy.deepcopy(_tensors(model, opt))
+    model, opt = _trained(7, 2)
+    with ckptfmt.open(url) as ckpt:
+        snap = state_mod.read_snapshot(ckpt, None, api._live(model, {"model": model, "optimizer": opt}))
+        assert snap.copy_in is None and ckpt.bytes_read == sum(
+            c.nbytes for f in ckpt.fields.values() for t in f.tensors.values() for c in t.chunks
+        )
+    api.load(url, model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0), config={})
+    assert _same(_tensors(model, opt), expected)
+
+
 def test_an_optimizer_left_out_is_not_filled(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
     url, expected = saved
     model, opt = _trained(7, 2)

@@ -452,7 +452,8 @@ def read_snapshot(
     snap = Snapshot()
     targets = targets or {}
     records = {(n, t): tensor for n, r in ckpt.fields.items() if r.kind == "tensors" for t, tensor in r.tensors.items()}
-    checked = in_place.plan(records, live or {})
+    # in place only where a second read is a copy out of the page cache: on an object store it would be a second GET
+    checked = in_place.plan(records, live or {}) if ckpt.store.capabilities.local else {}
     # One read plan for every tensor of every field: each file's pieces are read together and files in parallel.
     regions: list[Target] = []
     likes: list[Any] = []
