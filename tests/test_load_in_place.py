@@ -14,7 +14,8 @@ from torch import nn
 import ckptfmt
 from ckptfmt.errors import DigestMismatchError, UsageError
 from ckptfmt.read_plan import Target, whole
-from ckptfmt.torch import ResumableSampler, api
+from ckptfmt.run import checkpoint_name
+from ckptfmt.torch import CheckpointManager, ResumableSampler, api
 from ckptfmt.torch import state as state_mod
 
 
@@ -94,7 +95,7 @@ def test_bytes_changed_between_the_check_and_the_copy_are_caught_and_said(
     url, _ = saved
     model, opt = _trained(7, 2)
     with ckptfmt.open(url) as ckpt:
-        live = api._live(model, {"model": model, "optimizer": opt})
+        live = api.live_targets(model, opt)
         snap = state_mod.read_snapshot(ckpt, None, live)
         assert snap.copy_in is not None
         _flip(url, "weights", 3)  # something rewrote the committed file in place, after the check
@@ -112,7 +113,7 @@ def test_from_an_object_store_the_load_reads_once_into_new_memory(tmp_path: Path
     expected = copy.deepcopy(_tensors(model, opt))
     model, opt = _trained(7, 2)
     with ckptfmt.open(url) as ckpt:
-        snap = state_mod.read_snapshot(ckpt, None, api._live(model, {"model": model, "optimizer": opt}))
+        snap = state_mod.read_snapshot(ckpt, None, api.live_targets(model, opt))
         assert snap.copy_in is None and ckpt.bytes_read == sum(
             c.nbytes for f in ckpt.fields.values() for t in f.tensors.values() for c in t.chunks
         )
@@ -235,3 +236,26 @@ def test_a_check_streams_across_the_small_tensors_between_and_checks_only_its_ow
         ckpt.check_regions([whole("weights", n, records[n]) for n in ("a", "z")])
         with pytest.raises(DigestMismatchError):
             ckpt.read_tensor("weights", "m")
+
+
+def test_the_managers_restore_fills_in_place_and_falls_back_past_a_flipped_byte(tmp_path: Path) -> None:
+    """``restore_latest`` keeps the checkpoint open until it is applied: the newest, damaged, is passed over
+    with nothing of it copied in; the one before fills the live tensors where they are."""
+    model, opt = _trained(0, 2)
+    sampler = ResumableSampler(32, seed=0)
+    with CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        mgr.save(2, model=model, optimizer=opt, sampler=sampler, config={})
+        expected = copy.deepcopy(_tensors(model, opt))
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+        mgr.save(4, model=model, optimizer=opt, sampler=sampler, config={})
+    _flip(tmp_path / "run" / checkpoint_name(4), "optimizer", 3)
+    model, opt = _trained(7, 2)
+    before = _addresses(model, opt)
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.restore_latest(model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0)) == 2
+    assert _same(_tensors(model, opt), expected)
+    assert _addresses(model, opt) == before
+    assert mgr.last_restore is not None and mgr.last_restore.skipped

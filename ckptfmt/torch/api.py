@@ -390,17 +390,17 @@ def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
     # everything read and verified before anything is applied; for a model's DTensors, only this rank's region;
     # tensors with a home in host memory checked where they are stored, and copied in as the last step of applying
     model = kwargs.get("model")
-    snap = state.read_snapshot(
-        ckpt, state.load_targets(model) if model is not None else None, _live(model, kwargs) if model else None
-    )
+    live = live_targets(model, kwargs.get("optimizer"), kwargs.get("skip_fields", ())) if model is not None else None
+    snap = state.read_snapshot(ckpt, state.load_targets(model) if model is not None else None, live)
     return restore(snap, checkpoint_id=ckpt.id, url=ckpt.url, **kwargs)
 
 
-def _live(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[tuple[str, str], Any]:
+def live_targets(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, skip_fields: Sequence[str] = ()
+) -> dict[tuple[str, str], Any]:
     """What a load may fill in place (``in_place.live_tensors``): the model's tensors, and the optimizer's state
     unless the load leaves it out."""
-    optimizer = kwargs.get("optimizer")
-    if "optimizer" in kwargs.get("skip_fields", ()):
+    if "optimizer" in skip_fields:
         optimizer = None
     names = None
     if optimizer is not None:

@@ -26,6 +26,7 @@ not change parameters or optimizer state in place by other means.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -533,22 +534,27 @@ class CheckpointManager:
                     skipped.append(f"{entry_name}: {type(exc).__name__}: {exc}")
                     continue
             read_started = time.perf_counter()
+            # Open until its snapshot is applied: tensors loaded in place are copied in from it then (in_place.py).
+            # Not for files fetched from other nodes: this node's leader deletes them after the vote, before then.
+            held = contextlib.ExitStack()
+            live = api.live_targets(model, optimizer, skip_fields) if fetched is None else None
             try:
-                with (
+                ckpt = held.enter_context(
                     Checkpoint(fetched.store, manifest, candidate.option.manifest_bytes)
                     if fetched is not None and candidate.option is not None
                     else open_checkpoint(url, self.run.storage_options)
-                ) as ckpt:
-                    report = ckpt.verify() if self.verify_on_restore else None
-                    if report is not None and not report.ok:
-                        log.warning("skipping %s: %s", entry_name, "; ".join(map(str, report.problems[:3])))
-                    else:
-                        snap = state.read_snapshot(ckpt, state.load_targets(model))
-                        ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
-                        # a self-contained checkpoint is a full save whoever wrote it
-                        depth = _since_full(ckpt.manifest.metadata) if ckpt.manifest.bases else 0
-                        bytes_read = ckpt.bytes_read
+                )
+                report = ckpt.verify() if self.verify_on_restore else None
+                if report is not None and not report.ok:
+                    log.warning("skipping %s: %s", entry_name, "; ".join(map(str, report.problems[:3])))
+                else:
+                    snap = state.read_snapshot(ckpt, state.load_targets(model), live)
+                    ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
+                    # a self-contained checkpoint is a full save whoever wrote it
+                    depth = _since_full(ckpt.manifest.metadata) if ckpt.manifest.bases else 0
+                    bytes_read = ckpt.bytes_read
             except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
+                held.close()
                 log.warning("skipping %s: cannot be read: %s: %s", entry_name, type(exc).__name__, exc)
                 skipped.append(f"{entry_name}: {type(exc).__name__}: {exc}")
             missing = (
@@ -574,26 +580,30 @@ class CheckpointManager:
             if fetched is not None and self._agreed is not None:
                 self._agreed.clean_up()  # every rank has read what was fetched (or passed over it)
             if not agreed:
+                held.close()
                 if snap is not None and not missing:
                     log.warning("skipping %s: another rank cannot use it", entry_name)
                     skipped.append(f"{entry_name}: another rank cannot use it")
                 continue
             assert snap is not None
             read_seconds = time.perf_counter() - read_started
-            restored = api.restore(
-                snap,
-                checkpoint_id=ckpt_id,
-                url=ckpt_url,
-                model=model,
-                optimizer=optimizer,
-                sampler=source,
-                scheduler=scheduler,
-                scaler=scaler,
-                config=config,
-                generators=generators,
-                on_mismatch=self.on_mismatch,
-                skip_fields=skip_fields,
-            )
+            with held:
+                restored = api.restore(
+                    snap,
+                    checkpoint_id=ckpt_id,
+                    url=ckpt_url,
+                    model=model,
+                    optimizer=optimizer,
+                    sampler=source,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    config=config,
+                    generators=generators,
+                    on_mismatch=self.on_mismatch,
+                    skip_fields=skip_fields,
+                )
+            if snap.copy_in is not None:
+                bytes_read = ckpt.bytes_read  # with the second pass of the tensors loaded in place
             self.last_checkpoint_id = restored.checkpoint_id
             self._step = restored.step if restored.step is not None else entry_step
             if candidate.tier == "durable" and self.incremental:
