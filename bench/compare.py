@@ -53,6 +53,7 @@ from multirank import evict
 MiB = 1 << 20
 SAVES = ["ckptfmt-raw", "ckptfmt-zstd", "safetensors", "torch.save", "dcp.save"]
 LOADS = ["ckptfmt", "ckptfmt-one-tensor", "ckptfmt-mmap", "safetensors.load_file", "torch.load-mmap", "dcp.load"]
+INTO = "ckptfmt-into"  # the disk section's load into arrays that exist before the clock starts
 STATES = ["fp32-adam", "bf16"]
 
 
@@ -131,11 +132,15 @@ def _save(op: str, state: dict[str, np.ndarray[Any, Any]], out: Path) -> None:
     fsync_tree(out)
 
 
-def _load(op: str, src: Path, names: list[str]) -> int:
+def _load(op: str, src: Path, names: list[str], into: list[np.ndarray[Any, Any]] | None = None) -> int:
     if op.startswith("ckptfmt"):
         import ckptfmt
+        from ckptfmt.read_plan import whole
 
         with ckptfmt.open(str(src)) as ckpt:
+            if op == INTO:  # into arrays that exist already (a live model's, reused buffers)
+                targets = [whole("weights", n, ckpt.tensor("weights", n)) for n in names]
+                return touch(ckpt.read_regions(targets, into=into))
             if op == "ckptfmt-one-tensor":
                 return touch([ckpt.read_tensor("weights", names[len(names) // 2])])
             if op == "ckptfmt-mmap":  # inference-style: zero-copy, read-only, no digest check (as the peers)
@@ -180,15 +185,20 @@ def measure(
         import torch.distributed.checkpoint  # noqa: F401
     if op in SAVES and state is None:
         state = make_state(state_kind, size)
-    names = list(json.loads((path.parent / "shapes.json").read_text())) if op in LOADS else []
+    names = list(json.loads((path.parent / "shapes.json").read_text())) if op in (*LOADS, INTO) else []
     files = [str(p) for p in sorted(path.rglob("*")) if p.is_file()] if op == "cat" else []
+    # the destination of a load in place exists before the clock starts, its pages touched (as a live model's are);
+    # bfloat16 as its bit patterns (numpy has no bfloat16)
+    into = None
+    if op == INTO:
+        into = [np.ones(s, dtype=np.uint16 if d == "BF16" else np.float32) for _, (d, s) in names_shapes(path)]
     baseline = _reset_peak()
     started = time.perf_counter()
     if op in SAVES:
         assert state is not None
         _save(op, state, path)
-    elif op in LOADS:
-        _load(op, path, names)
+    elif op in (*LOADS, INTO):
+        _load(op, path, names, into)
     elif op in ("verify", "verify-warm"):
         assert ckptfmt.verify(str(path)).ok
         if op == "verify-warm":  # the call above read the files into the page cache: time a second one
@@ -373,7 +383,17 @@ def adam_sizes(model_dir: Path, steps: int = 30) -> dict[str, dict[str, float]]:
 # and the `ckpt verify` command) against `cat` of its files, every read cold.
 
 DISK_TENSORS = 64
-DISK_READS = ["ckptfmt", "verify", "verify-warm", "ckpt-verify", "ckpt-verify-quiet", "cat", "cat-warm", "ckpt-help"]
+DISK_READS = [
+    "ckptfmt",
+    INTO,
+    "verify",
+    "verify-warm",
+    "ckpt-verify",
+    "ckpt-verify-quiet",
+    "cat",
+    "cat-warm",
+    "ckpt-help",
+]
 
 
 def flat_state(size: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
@@ -559,6 +579,7 @@ def print_disk_section(d: dict[str, Any]) -> None:
     print("| --- | --- | --- | --- | --- |")
     labels = {
         "ckptfmt": "ckptfmt whole load (every page touched)",
+        INTO: "ckptfmt whole load into arrays that exist (`read_regions(into=)`)",
         "verify": "ckptfmt.verify() in-process",
         "verify-warm": "ckptfmt.verify() in-process, warm cache",
         "ckpt-verify": "`ckpt verify DIR` (process)",

@@ -49,6 +49,7 @@ def test_quick_run_measures_every_peer_and_compresses(tmp_path: Path) -> None:
     assert disk["tensors"] == 64 and disk["filesystem"]
     assert set(disk["reads"]) == {
         "ckptfmt",
+        "ckptfmt-into",
         "verify",
         "verify-warm",
         "ckpt-verify",
