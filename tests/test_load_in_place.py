@@ -74,6 +74,19 @@ def test_a_live_load_fills_the_model_and_optimizer_in_their_own_memory(
     assert _addresses(model, opt) == before  # every parameter and moment filled where it lives
 
 
+def test_a_graph_that_saved_a_parameter_refuses_backward_after_the_load_as_after_copy(
+    saved: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """Bytes written through numpy behind autograd's back: the load still counts as an in-place write to each
+    parameter (``load_state_dict`` copies each into itself, which bumps its version), as a copy from memory did."""
+    url, _ = saved
+    model, opt = _trained(7, 2)
+    loss = model(torch.randn(8, 16)).square().mean()  # the graph saved the weights
+    api.load(url, model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0), config={})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_a_flipped_byte_is_refused_before_any_live_tensor_changes(
     saved: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:

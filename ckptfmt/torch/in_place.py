@@ -77,7 +77,9 @@ def plan(
         if record is None or any(chunk.codec.name != RAW for chunk in record.chunks):
             continue
         local = tensor.to_local() if is_dtensor(tensor) else tensor
-        if local.device.type != "cpu" or not local.is_contiguous() or local.numel() == 0:
+        if local.layout != torch.strided or local.device.type != "cpu" or local.numel() == 0:
+            continue
+        if not local.is_contiguous():
             continue
         if TORCH_DTYPES.get(record.dtype) != str(local.dtype).removeprefix("torch."):
             continue
