@@ -1,30 +1,41 @@
 """The installed ``ckpt conformance run``: the reference passes through it, broken adapters fail it, and
 its outputs (table, --json, --junit-xml, --report) say which vector and requirement failed, and why.
 
+The reference passes every vector with its adapters answering in-process (4 s), and a selection through the
+installed command with a process per call (20 s on 2 cores; every vector with ``CKPTFMT_LONG=1``, 70 s).
+
 The judge (conformance/classify.py), the selection and the renderers are also tested directly on
 hand-made results, so the failure paths are checked without running a whole suite.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from ckptfmt.cli import cli
 from ckptfmt.conformance import VECTORS as PACKAGE_VECTORS
+from ckptfmt.conformance import reference_writer, runner, session
 from ckptfmt.conformance.classify import Exchange, Refusal, judge_invalid, judge_valid
 from ckptfmt.conformance.junit import junit_xml
 from ckptfmt.conformance.report import markdown
 from ckptfmt.conformance.results import Kind, Result, Run, Suite
-from ckptfmt.conformance.suite import Vector, cached_vectors, select, tree_digest
+from ckptfmt.conformance.runner import TIMEOUT
+from ckptfmt.conformance.suite import Vector, cached_vectors, select, tree_digest, vectors
+from click.testing import CliRunner
 
 import ckptfmt
 
@@ -63,21 +74,43 @@ def counts() -> tuple[int, int]:
     return reader, writer
 
 
-# ---------------------------------------------------------------- the reference, through the installed command
+# ---------------------------------------------------------------- the reference passes the whole suite
 
 
-@pytest.mark.slow
-def test_the_reference_reader_and_writer_pass_the_whole_suite_through_ckpt_conformance_run(tmp_path: Path) -> None:
+def in_process(cmd: list[str], *args: Path, timeout: float = TIMEOUT) -> Exchange:
+    """The runner's adapter call, answered in this process by the reference reader (``ckpt dump --canonical``
+    through click's runner) or writer: every vector judged without starting 300 interpreters (0.35 CPU-s each)."""
+    start = time.monotonic()
+    if cmd == shlex.split(READER):
+        result = CliRunner().invoke(cli, ["dump", "--canonical", str(args[0])])
+        status, stdout, stderr = result.exit_code, result.stdout, result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            status = 70  # an exception escaped the command: a crash to the judge, as a traceback's exit would be
+    else:
+        assert cmd == shlex.split(WRITER), cmd
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = reference_writer.main([str(a) for a in args])
+        stdout, stderr = out.getvalue(), err.getvalue()
+    argv = (*cmd, *map(str, args))
+    return Exchange(argv=argv, status=status, stdout=stdout, stderr=stderr, seconds=time.monotonic() - start,
+                    timeout=timeout)  # fmt: skip
+
+
+def test_the_reference_reader_and_writer_pass_every_vector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every vector, both directions, judged and reported exactly as ``ckpt conformance run`` does; only the
+    adapters answer in this process (``in_process``). The installed command runs a selection below."""
+    monkeypatch.setattr(runner, "call", in_process)
     files = {name: tmp_path / name for name in ("results.json", "junit.xml", "report.md")}
-    proc = ckpt(
-        "run", "--reader", READER, "--writer", WRITER, "--vectors", str(VECTORS), "--json", str(files["results.json"]),
-        "--junit-xml", str(files["junit.xml"]), "--report", str(files["report.md"]), cwd=tmp_path,
+    out, err = io.StringIO(), io.StringIO()
+    options = session.Options(
+        reader=READER, writer=WRITER, vectors=VECTORS, jobs=1, json_path=files["results.json"],
+        junit_xml=files["junit.xml"], report=files["report.md"],
     )  # fmt: skip
-    lines = proc.stdout.splitlines()
-    first = f"ckptfmt conformance suite {ckptfmt.__version__}, for ckptfmt format {ckptfmt.FORMAT_VERSION}; vectors"
-    assert lines[0].startswith(first), proc.stdout[:500] + proc.stderr
+    status = session.run(options, out, err)
+    lines = out.getvalue().splitlines()
     reader, writer = counts()
-    assert (proc.returncode, lines[-1]) == (0, f"{reader + writer} passed, 0 failed"), proc.stdout + proc.stderr
+    assert (status, lines[-1]) == (0, f"{reader + writer} passed, 0 failed"), out.getvalue() + err.getvalue()
 
     doc = json.loads(files["results.json"].read_text())
     assert doc["suite"]["vectors_digest"] == tree_digest(VECTORS)
@@ -95,6 +128,43 @@ def test_the_reference_reader_and_writer_pass_the_whole_suite_through_ckpt_confo
     report = files["report.md"].read_text()
     assert f"passed {reader + writer}, failed 0" in report and "**fail**" not in report
     assert "| TEN-17 | pass |" in report and "| COM-9 | untested by vectors |" in report
+
+
+def through_the_command() -> list[str]:
+    """What the installed command runs here: every valid vector and writer scenario, and every eighth invalid
+    vector by name (34 of 268; ``tests/test_conformance.py`` refuses each in-process too). ``CKPTFMT_LONG=1``:
+    every vector, about 115 CPU-seconds of adapter processes more."""
+    if os.environ.get("CKPTFMT_LONG") == "1":
+        return []
+    invalid = sorted(p.name for p in (VECTORS / "invalid").iterdir())[::8]
+    return ["valid/*", "writer/*", *(f"invalid/{name}" for name in invalid)]
+
+
+@pytest.mark.slow
+def test_the_reference_passes_through_the_installed_ckpt_conformance_run(tmp_path: Path) -> None:
+    """The same verdicts from the installed command, each adapter call a process of its own."""
+    files = {name: tmp_path / name for name in ("results.json", "junit.xml", "report.md")}
+    selection = [arg for pattern in through_the_command() for arg in ("--only", pattern)]
+    proc = ckpt(
+        "run", "--reader", READER, "--writer", WRITER, "--vectors", str(VECTORS), *selection,
+        "--json", str(files["results.json"]), "--junit-xml", str(files["junit.xml"]),
+        "--report", str(files["report.md"]), cwd=tmp_path,
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    first = f"ckptfmt conformance suite {ckptfmt.__version__}, for ckptfmt format {ckptfmt.FORMAT_VERSION}; vectors"
+    assert lines[0].startswith(first), proc.stdout[:500] + proc.stderr
+    chosen = select(vectors(VECTORS), tuple(through_the_command()))
+    reader = sum(v.kind != "writer" for v in chosen)
+    writer = sum(bool(v.writes) for v in chosen)
+    assert reader >= 37 + 34 and writer == counts()[1]
+    assert (proc.returncode, lines[-1]) == (0, f"{reader + writer} passed, 0 failed"), proc.stdout + proc.stderr
+
+    doc = json.loads(files["results.json"].read_text())
+    assert {r["kind"] for r in doc["results"]} == {"passed"} and len(doc["results"]) == reader + writer
+    cases = ET.parse(files["junit.xml"]).getroot().findall("./testsuite/testcase")
+    assert len(cases) == reader + writer and not ET.parse(files["junit.xml"]).getroot().findall(".//failure")
+    report = files["report.md"].read_text()
+    assert f"passed {reader + writer}, failed 0" in report and "**fail**" not in report
 
 
 # ---------------------------------------------------------------- broken adapters fail, and say why

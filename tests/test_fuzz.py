@@ -1,7 +1,7 @@
 """Hostile input, systematically (issue 9): every parser and every CLI command under one oracle.
 
 Two drivers feed the oracle of ``tests/hostile/oracle.py`` (only ckptfmt's own errors escape the API; the CLI
-exits 0, 1 or 2 with a message and no traceback; each input within a time bound; memory within 64 MiB of the
+exits 0, 1 or 2 with a message and no traceback; each input within a bound on CPU time; memory within 64 MiB of the
 baseline; nothing outside the checkpoint root or destination read, written or deleted; no admitted class of the
 DCP unpickler changed):
 
@@ -13,8 +13,8 @@ DCP unpickler changed):
 Longer runs: ``CKPTFMT_FUZZ_SECONDS=3600`` runs every target for a share of that time instead of its count
 (hypothesis examples scale with it too); ``tests/hostile/run.py --seconds 3600 --json out.json`` does the same
 outside pytest and writes the per-target figures (``CKPTFMT_FUZZ_JSON=out.json`` makes this module write them too).
-Each failure prints how to replay the example. ``CKPTFMT_FUZZ_TIME_BOUND`` (seconds, default 5) is the per-input
-time bound.
+Each failure prints how to replay the example. ``CKPTFMT_FUZZ_TIME_BOUND`` (CPU-seconds, default 5) is the per-input
+time bound; an input still running after four bounds on the clock is stopped as a hang.
 
 Known violations (defects being fixed as this harness lands) are listed in KNOWN with the regression test that
 pins each one down; a violation not in KNOWN fails its target's test. Remove an entry when its fix lands.
@@ -308,6 +308,13 @@ def test_oracle_flags_foreign_exceptions_hangs_and_memory() -> None:
         while True:
             time.sleep(0.01)
 
+    def spin() -> None:
+        import time
+
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+
     def hog() -> None:
         block = bytearray(200 << 20)
         block[::4096] = b"\x01" * len(block[::4096])  # touched, so resident
@@ -316,7 +323,9 @@ def test_oracle_flags_foreign_exceptions_hangs_and_memory() -> None:
         assert run_one(foreign).reason == "exception"
         assert run_one(ours).status == "error"
         assert run_one(lambda: None).status == "ok"
-        assert run_one(hang, time_bound=0.2).reason == "time"
+        assert run_one(hang, time_bound=0.2).reason == "time"  # no CPU used: the watchdog, at 4 bounds
+        assert run_one(spin, time_bound=0.1).reason == "time"  # the bound is on CPU time...
+        assert run_one(lambda: __import__("time").sleep(0.3), time_bound=0.1).status == "ok"  # ...not on the clock
         assert run_one(hog).reason == "memory"
 
 
