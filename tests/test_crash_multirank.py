@@ -81,7 +81,7 @@ def test_socket_collective_fails_at_once_when_a_peer_is_gone() -> None:
     with pytest.raises(CollectiveError, match="sending to rank 2 failed"):
         peers[0].broadcast(b"outcome", src=0)  # rank 1 gets it; rank 2 cannot
     assert peers[1].broadcast(None, src=0) == b"outcome"
-    assert time.monotonic() - start < 1.0  # at once, not after the timeout
+    assert time.monotonic() - start < 2.5  # at once, not after the 5 s timeout (room for a busy CI machine)
     keep_only(ends, None)
 
 
