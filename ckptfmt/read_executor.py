@@ -196,12 +196,6 @@ class ReadExecutor:
         ahead), each byte handed to the hasher of every piece that holds it; a piece is compared as it ends."""
         todo = sorted((p for p in pieces if p.check != "none"), key=lambda p: (p.begin, p.end))
         hashers = [_piece_hasher(p) for p in todo]
-        runs: list[list[int]] = []
-        for piece in todo:
-            if runs and piece.begin <= runs[-1][1] + CHECK_GAP:
-                runs[-1][1] = max(runs[-1][1], piece.end)
-            else:
-                runs.append([piece.begin, piece.end])
         first = 0  # the first piece not compared yet
 
         def consume(at: int, view: memoryview) -> None:
@@ -223,8 +217,15 @@ class ReadExecutor:
                         exc.locate(path=path, field=target.field, tensor=target.tensor)
                         raise
 
-        for begin, end in runs:
+        for begin, end in _check_runs(todo):
             self._stream(path, begin, end, consume, keep_cached=True)
+
+    def forget(self, plan: ReadPlan) -> None:
+        """Drop from the page cache what :meth:`check` of ``plan`` read and kept there for a fill that will not come
+        (the load was refused or not applied); nothing where the store keeps no cache."""
+        for path, pieces in plan.by_file().items():
+            for begin, end in _check_runs([p for p in pieces if p.check != "none"]):
+                self.store.drop_cached(path, begin, end)
 
     def _check_files(self, readers: Mapping[str, tuple[str, str]]) -> None:
         """Size and header of every file not checked yet, concurrently; the first error in path order, located
@@ -365,6 +366,17 @@ def _finish(live: _Live, verify: bool) -> None:
         _copy(piece, raw, live.array)
     elif piece.direct is None:
         _copy(piece, views[0], live.array)
+
+
+def _check_runs(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
+    """The byte ranges a check streams: the pieces' ranges in file order, joined across gaps up to ``CHECK_GAP``."""
+    runs: list[list[int]] = []
+    for piece in sorted(pieces, key=lambda p: (p.begin, p.end)):
+        if runs and piece.begin <= runs[-1][1] + CHECK_GAP:
+            runs[-1][1] = max(runs[-1][1], piece.end)
+        else:
+            runs.append([piece.begin, piece.end])
+    return [(begin, end) for begin, end in runs]
 
 
 def _piece_hasher(piece: Piece) -> Hasher | BlockHasher:

@@ -206,8 +206,24 @@ class Checkpoint:
         """Read and check every byte :meth:`read_regions` of ``targets`` would use, keeping none of it (bounded
         memory). The bytes stay in the page cache, so a ``read_regions(..., into=...)`` that follows copies them
         from memory, checking them again: together, a load in place that touches nothing unless all of it is
-        good. Raw chunks only (a UsageError for an encoded one, which is checked by decoding it)."""
-        self._executor.check(self._plan(targets, verify=True, workers=workers))
+        good. Raw chunks only (a UsageError for an encoded one, which is checked by decoding it).
+
+        If the check fails, what it read leaves the page cache again (unless :attr:`keep_cached`); so does what
+        it read if the fill does not follow, by :meth:`forget_regions`."""
+        plan = self._plan(targets, verify=True, workers=workers)
+        try:
+            self._executor.check(plan)
+        except BaseException:
+            if not self.keep_cached:
+                self._executor.forget(plan)
+            raise
+
+    def forget_regions(self, targets: Sequence[Target]) -> None:
+        """Drop from the page cache what :meth:`check_regions` of ``targets`` left there, when the fill it was
+        for will not come (a load refused after the check): a checkpoint read once does not stay cached, as
+        after a fill. Nothing if :attr:`keep_cached`, or where the store keeps no cache."""
+        if not self.keep_cached and targets:
+            self._executor.forget(self._plan(targets, verify=True, workers=None))
 
     def _plan(self, targets: Sequence[Target], *, verify: bool, workers: int | None) -> ReadPlan:
         records = {(t.field, t.tensor): self.tensor(t.field, t.tensor) for t in targets}

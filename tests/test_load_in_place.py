@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 import ckptfmt
-from ckptfmt.errors import DigestMismatchError, UsageError
+from ckptfmt.errors import DigestMismatchError, ResumeMismatchError, UsageError
 from ckptfmt.read_plan import Target, whole
 from ckptfmt.run import checkpoint_name
 from ckptfmt.torch import CheckpointManager, ResumableSampler, api
 from ckptfmt.torch import state as state_mod
+from tests.page_cache import cached_pages, data_files, evict, pages
 
 
 def _trained(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -272,3 +273,54 @@ def test_the_managers_restore_fills_in_place_and_falls_back_past_a_flipped_byte(
     assert _same(_tensors(model, opt), expected)
     assert _addresses(model, opt) == before
     assert mgr.last_restore is not None and mgr.last_restore.skipped
+
+
+# ---------------------------------------------------------------- what a load leaves in the page cache
+
+
+def _big(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """1.5 MiB of weights and 3 MiB of AdamW moments: hundreds of pages per data file."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _cached_share(url: Path) -> float:
+    files = data_files(url)
+    assert sum(pages(f) for f in files) > 1000
+    return sum(cached_pages(f) for f in files) / sum(pages(f) for f in files)
+
+
+def test_a_checkpoint_read_once_leaves_the_page_cache_whether_the_load_is_applied_or_refused(tmp_path: Path) -> None:
+    """The check keeps its pages cached for the copy-in; a load applied drops them with the copy-in, and a load
+    refused after the check (a strict mismatch, a flipped byte, a snapshot never applied) drops them too."""
+    model, opt = _big(0)
+    url = tmp_path / "c"
+    api.save(url, step=1, model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0), config={"lr": 1})
+    target, target_opt = _big(1)
+    loads = {"model": target, "optimizer": target_opt, "sampler": ResumableSampler(32, seed=0)}
+
+    evict(url)
+    with ckptfmt.open(url) as ckpt:
+        snap = state_mod.read_snapshot(ckpt, None, api.live_targets(target, target_opt))
+        assert snap.copy_in is not None and _cached_share(url) == 1.0  # checked: kept for the copy-in
+        snap.discard()  # never applied
+        assert _cached_share(url) < 0.02  # the pages at the edges of a range stay: a few of over a thousand
+
+    evict(url)
+    api.load(url, config={"lr": 1}, **loads)
+    assert _cached_share(url) < 0.02
+
+    evict(url)
+    with pytest.raises(ResumeMismatchError):
+        api.load(url, config={"lr": 2}, on_mismatch="strict", **loads)
+    assert _cached_share(url) < 0.02
+
+    evict(url)
+    _flip(url, "optimizer", 3)
+    with pytest.raises(DigestMismatchError):
+        api.load(url, config={"lr": 1}, **loads)
+    assert _cached_share(url) < 0.02

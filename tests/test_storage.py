@@ -9,6 +9,7 @@ stay with that backend's own tests; what every store promises is here, findable 
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +29,7 @@ from ckptfmt.storage.local import LocalStore, merge_adjacent
 from ckptfmt.storage.overlay import OverlayStore
 from ckptfmt.storage.routed import RoutedStore
 from ckptfmt.storage.slot import SlotStore
+from tests.page_cache import cached_pages, evict, resident
 
 Holding = Callable[[Mapping[str, bytes]], Store]
 DATA = bytes(range(256)) * 257  # 65,792 bytes: no two neighbouring ranges alike
@@ -323,6 +325,20 @@ class TestLocalStore(StoreContract):
             f.truncate(4 << 30)
         with pytest.raises(SizeMismatchError, match=r"big\.json"):
             store.read("big.json")  # the default bound
+
+    def test_a_read_kept_cached_or_not_and_a_range_dropped_after(self, tmp_path: Path) -> None:
+        store, page = LocalStore(tmp_path), mmap.PAGESIZE
+        (tmp_path / "f").write_bytes(os.urandom(64 * page))
+        evict(tmp_path)
+        views = [(0, memoryview(bytearray(32 * page))), (32 * page, memoryview(bytearray(32 * page)))]
+        store.read_ranges("f", views[:1], keep_cached=False)
+        assert not any(resident(tmp_path / "f")[:32])  # the range read; the kernel's readahead past it may stay
+        store.read_ranges("f", views, keep_cached=True)
+        assert all(resident(tmp_path / "f"))
+        store.drop_cached("f", 16 * page, 48 * page)
+        assert resident(tmp_path / "f") == [True] * 16 + [False] * 32 + [True] * 16
+        store.drop_cached("f", 0, 64 * page)
+        assert cached_pages(tmp_path / "f") == 0
 
     def test_back_to_back_ranges_are_merged_into_one_vectored_read(self) -> None:
         views = [memoryview(bytearray(n)) for n in (8, 16, 4, 4)]

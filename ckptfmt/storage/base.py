@@ -94,6 +94,10 @@ class Store(ABC):
         for begin, out in requests:
             self.read_into(path, begin, out)
 
+    def drop_cached(self, path: str, begin: int, end: int) -> None:  # noqa: B027 - only local disks cache
+        """Drop the bytes ``[begin, end)`` of the file from a page cache the backend keeps (local disks): what a
+        read with ``keep_cached=True`` left there for a second read that will not come."""
+
     def mapping(self, path: str) -> mmap.mmap | None:
         """A read-only memory map of the file, where the backend can map files (local disks); else None."""
         return None

@@ -477,6 +477,15 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
+    def drop_cached(self, path: str, begin: int, end: int) -> None:
+        if _DONTNEED is None or end <= begin:
+            return
+        fd = self._open_read(path)
+        try:
+            os.posix_fadvise(fd, begin, end - begin, _DONTNEED)
+        finally:
+            os.close(fd)
+
     def mapping(self, path: str) -> mmap.mmap | None:
         fd = self._open_read(path)
         try:

@@ -55,6 +55,9 @@ class OverlayStore(Store):
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         self._layer(path).read_ranges(path, requests, keep_cached=keep_cached)
 
+    def drop_cached(self, path: str, begin: int, end: int) -> None:
+        self._layer(path).drop_cached(path, begin, end)
+
     def mapping(self, path: str) -> mmap.mmap | None:
         return self._layer(path).mapping(path)
 

@@ -70,6 +70,9 @@ class RoutedStore(Store):
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         self._on(path, lambda store, rest: store.read_ranges(rest, requests, keep_cached=keep_cached))
 
+    def drop_cached(self, path: str, begin: int, end: int) -> None:
+        self._on(path, lambda store, rest: store.drop_cached(rest, begin, end))
+
     def mapping(self, path: str) -> mmap.mmap | None:
         return self._on(path, lambda store, rest: store.mapping(rest))
 

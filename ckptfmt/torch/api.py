@@ -434,23 +434,27 @@ def restore(
     ``optimizer``) are left out of the apply.
     """
     source = data_source(sampler=sampler, loader=loader)
-    mismatches = resume_mismatches(snap, config=config, sampler=source)
-    if mismatches:
-        message = f"resuming {url} under a different run: " + "; ".join(mismatches)
-        if on_mismatch == "strict":
-            raise ResumeMismatchError(message, path=url)
-        if on_mismatch == "warn":
-            log.warning(message)
-    apply(
-        snap,
-        model=model,
-        optimizer=None if "optimizer" in skip_fields else optimizer,
-        sampler=None if "data" in skip_fields else source,
-        scheduler=scheduler,
-        scaler=scaler,
-        generators=generators,
-        restore_rng=restore_rng and "rng" not in skip_fields,
-    )
+    try:
+        mismatches = resume_mismatches(snap, config=config, sampler=source)
+        if mismatches:
+            message = f"resuming {url} under a different run: " + "; ".join(mismatches)
+            if on_mismatch == "strict":
+                raise ResumeMismatchError(message, path=url)
+            if on_mismatch == "warn":
+                log.warning(message)
+        apply(
+            snap,
+            model=model,
+            optimizer=None if "optimizer" in skip_fields else optimizer,
+            sampler=None if "data" in skip_fields else source,
+            scheduler=scheduler,
+            scaler=scaler,
+            generators=generators,
+            restore_rng=restore_rng and "rng" not in skip_fields,
+        )
+    except BaseException:
+        snap.discard()  # refused after its check: what was checked for the copy-in leaves the page cache
+        raise
     step = snap.contexts.get("provenance", {}).get("step")
     return Restored(
         step=step if isinstance(step, int) else None, checkpoint_id=checkpoint_id, url=url, mismatches=tuple(mismatches)

@@ -580,6 +580,8 @@ class CheckpointManager:
             if fetched is not None and self._agreed is not None:
                 self._agreed.clean_up()  # every rank has read what was fetched (or passed over it)
             if not agreed:
+                if snap is not None:
+                    snap.discard()  # checked here, refused elsewhere: not copied in, so not kept in the page cache
                 held.close()
                 if snap is not None and not missing:
                     log.warning("skipping %s: another rank cannot use it", entry_name)

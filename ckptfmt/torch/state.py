@@ -59,6 +59,13 @@ class Snapshot:
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     deferred: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
     copy_in: Callable[[], None] | None = None  # fills the Checked tensors: the last step of applying a load
+    forget: Callable[[], None] | None = None  # drops what was checked for copy_in from the page cache
+
+    def discard(self) -> None:
+        """A load that will not be applied: what its check left in the page cache for :attr:`copy_in` leaves it
+        (a checkpoint read once does not stay cached, as after the copy-in)."""
+        if self.forget is not None:
+            self.forget()
 
     def materialize(self, buffers: HostBuffers | None) -> None:
         """Take the deferred tensors: copies into ``buffers``, or (None) views of CPU tensors as they are,
@@ -480,15 +487,21 @@ def read_snapshot(
         )
         # checked first: its streams run across the small tensors between the large ones, which the read then
         # finds in the page cache instead of seeking for each
-        ckpt.check_regions([c.target for c in checked.values()])
-        arrays = ckpt.read_regions(regions)
-        snap.contexts.update(contexts.result())
+        check = [c.target for c in checked.values()]
+        ckpt.check_regions(check)
+        try:
+            arrays = ckpt.read_regions(regions)
+            snap.contexts.update(contexts.result())
+        except BaseException:
+            ckpt.forget_regions(check)  # refused: what was checked will not be copied in, so not kept cached
+            raise
     for region, like, array in zip(regions, likes, arrays, strict=True):
         snap.tensors[region.field][region.tensor] = array if like is None else TargetShard(array, like)
     if checked:
         aliased = _untied_aliases(ckpt, snap, checked, records, live or {})  # may take some out of checked
         fills = list(checked.values()) + aliased
         snap.copy_in = functools.partial(in_place.copy_in, ckpt, fills)
+        snap.forget = functools.partial(ckpt.forget_regions, [c.target for c in fills])
     return snap
 
 
