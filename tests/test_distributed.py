@@ -1,5 +1,6 @@
-"""Many ranks over torch.distributed (gloo, spawned processes): FSDP2 saves on 4 ranks, loads on 1, 2, 3
-and on a 2-D (FSDP x tensor-parallel) mesh, bit for bit; a rank killed mid-save fails the others cleanly.
+"""Many ranks over torch.distributed (gloo; processes forked warm, tests/warm_ranks.py): FSDP2 saves on 4 ranks,
+loads on 1, 2, 3 and on a 2-D (FSDP x tensor-parallel) mesh, bit for bit; a rank killed mid-save fails the others
+cleanly.
 
 The processes are few and share one checkpoint: together they are the costliest tests of the suite.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import pytest
 import torch
 from concurrent_runs import Jobs
 from safetensors.numpy import load_file
+from warm_ranks import WarmProcess
 
 import ckptfmt
 import ckptfmt.torch as ct
@@ -41,15 +42,7 @@ def launch(scenario: str, world: int, out: Path, timeout: float = 300) -> list[s
             "LOCAL_RANK": str(rank),
             "OMP_NUM_THREADS": "1",
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(WarmProcess(WORKER, [scenario, str(out)], env=env))  # forked warm: see warm_ranks.py
     results = []
     for proc in procs:
         try:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warm_ranks
 from concurrent_runs import Jobs
 
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
@@ -134,8 +135,8 @@ class Run:
 
 def run(run_dir: Path, *args: str, expect: int = 0) -> Run:
     losses = run_dir.parent / f"{run_dir.name}.json"
-    cmd = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--losses", str(losses), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    argv = ["--run-dir", str(run_dir), "--losses", str(losses), *args]
+    proc = warm_ranks.run(SCRIPT, argv, timeout=300)  # forked warm: tests/warm_ranks.py
     assert proc.returncode == expect, f"{run_dir.name}: {proc.stderr[-3000:]}"
     steps = json.loads(losses.read_text())["steps"] if losses.exists() else []
     return Run(run_dir, steps, proc)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_ranks
 from concurrent_runs import Jobs
 
 import ckptfmt
@@ -40,10 +41,8 @@ class Run:
 
 def train(run_dir: Path, *args: str, name: str = "losses", check: bool = True) -> Run:
     losses_file = run_dir.parent / f"{run_dir.name}-{name}.json"
-    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
-    proc = subprocess.run(
-        [*cmd, "--losses-out", str(losses_file), *args], capture_output=True, text=True, timeout=300, check=False
-    )
+    argv = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY), "--losses-out", str(losses_file)]
+    proc = warm_ranks.run(TRAIN, [*argv, *args], timeout=300)  # forked warm: tests/warm_ranks.py
     if check:
         assert proc.returncode == 0, proc.stderr
     losses = json.loads(losses_file.read_text())["losses"] if losses_file.exists() else []

@@ -1,0 +1,112 @@
+"""Rank processes forked from a warm interpreter instead of started cold: what a test's ranks import, imported once.
+
+A fresh interpreter of this venv pays about 5 CPU-seconds before a rank's first line: ``import torch`` (2.1 s
+on the CI machine) and an optimizer's constructor importing ``torch._dynamo`` (2.5 s). A module that starts 20
+ranks spent 100 of its 106 CPU-seconds on that, on CI's 2 cores. Here a rank is a child of multiprocessing's
+fork server, which imported ``PRELOAD`` once for the whole session: it starts in milliseconds and is still a
+process of its own, with its own environment, output files and exit status, and dies by any signal like any
+other. What the ranks test is unchanged (each runs its script as ``__main__`` with its own ``argv``).
+
+What a warm start does not vary is the interpreter's own start: every fork shares the server's imports and its
+string-hash seed, where cold processes each draw one. The torchrun, node-loss, memory-tier and story tests start
+every process cold and still compare runs bit for bit across processes with different seeds.
+
+Measured on the 2-core VM, machine-wide busy CPU-seconds (``/proc/stat``) of a module run alone, cold starts
+against warm: ``test_distributed.py`` 125 against 23 (67 s against 19-26 s), ``test_trainer_resume.py`` and
+``test_resume_matrix.py`` together 178 against 83 (102 s against 45 s).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "safetensors.torch",
+    "ckptfmt.torch",
+]
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
+
+
+def _main(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """The rank: its environment and output files, then its script as ``__main__`` (exit status: SystemExit's
+    code, 1 for an exception, whose traceback goes to ``err``)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads:  # read from the environment when torch was imported, in the server: set it as a cold start would
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = [script, *argv]
+    sys.path[0] = str(Path(script).parent)
+    runpy.run_path(script, run_name="__main__")
+
+
+class WarmProcess:
+    """The parts of ``subprocess.Popen`` the tests use, for a script run in a warm rank."""
+
+    def __init__(self, script: str | os.PathLike[str], argv: list[str], *, env: dict[str, str]) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="warm-rank-")
+        self._out, self._err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
+        self.args = [sys.executable, str(script), *argv]
+        self._process = _context.Process(target=_main, args=(str(script), list(argv), dict(env), self._out, self._err))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return tuple(Path(p).read_text(errors="replace") for p in (self._out, self._err))  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def __del__(self) -> None:
+        cleanup: Any = getattr(self, "_dir", None)
+        if cleanup is not None and self._process.exitcode is not None:
+            cleanup.cleanup()
+
+
+def run(
+    script: str | os.PathLike[str], argv: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, script, *argv], capture_output=True, text=True, timeout=...)``, run warm."""
+    proc = WarmProcess(script, argv, env=dict(os.environ) if env is None else env)
+    try:
+        stdout, stderr = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
