@@ -1,13 +1,15 @@
-"""Ranks as processes on loopback: one script per rank under torch.distributed's environment variables."""
+"""Ranks as processes on loopback: one script per rank under torch.distributed's environment variables, each
+forked from a warm interpreter (tests/warm_ranks.py)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from warm_ranks import WarmProcess
 
 
 def launch(
@@ -31,15 +33,7 @@ def launch(
             "OMP_NUM_THREADS": "1",
             **(env[rank] if rank < len(env) else {}),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=variables,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        procs.append(WarmProcess(script, list(args), env=variables, stderr_to_stdout=True))  # see warm_ranks.py
     results = []
     try:
         for proc in procs:
