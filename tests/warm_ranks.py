@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 PRELOAD = [
     "torch",
@@ -67,7 +66,7 @@ class WarmProcess:
     def __init__(
         self, script: str | os.PathLike[str], argv: list[str], *, env: dict[str, str], stderr_to_stdout: bool = False
     ) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="warm-rank-")
+        self._dir = tempfile.TemporaryDirectory(prefix="warm-rank-")  # removed with this object
         self._out = os.path.join(self._dir.name, "stdout")
         self._err = self._out if stderr_to_stdout else os.path.join(self._dir.name, "stderr")
         self.args = [sys.executable, str(script), *argv]
@@ -77,9 +76,6 @@ class WarmProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
         return self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -95,11 +91,6 @@ class WarmProcess:
 
     def kill(self) -> None:
         self._process.kill()
-
-    def __del__(self) -> None:
-        cleanup: Any = getattr(self, "_dir", None)
-        if cleanup is not None and self._process.exitcode is not None:
-            cleanup.cleanup()
 
 
 def run(
