@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_server
 
 from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.reader import Checkpoint
@@ -26,13 +26,13 @@ from tests.concurrent_runs import Jobs
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 WORKER = Path(__file__).resolve().parent / "ddp_replica_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def job(tmp: Path, *flags: str, ranks: int = 2) -> dict[str, Any]:
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(tmp / "run"), str(tmp / "shm")]
+    """torchrun and its workers forked warm (tests/warm_server.py)."""
+    args = [str(tmp / "run"), str(tmp / "shm"), str(tmp / "out"), *flags]
     proc = subprocess.run(
-        [*cmd, str(tmp / "out"), *flags],
+        warm_server.shared().torchrun(["--standalone", f"--nproc-per-node={ranks}"], WORKER, *args),
         capture_output=True,
         text=True,
         timeout=300,

@@ -17,23 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_server
 
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 CKPT = Path(sys.executable).with_name("ckpt")
 STEPS, EVERY = 10, 4  # durable every 4 steps: a kill between them loses steps without the memory tier
 JOB = "ckptfmt-memory-test"
 
 
 def launch(run_dir: Path, losses: Path, *args: str, restarts: int = 0, job: str | None = None) -> subprocess.Popen[str]:
-    """torchrun on 2 ranks; ``job`` fixes the run id (TORCHELASTIC_RUN_ID), as a relaunched job keeps it."""
+    """torchrun on 2 ranks; ``job`` fixes the run id (TORCHELASTIC_RUN_ID), as a relaunched job keeps it. Forked
+    warm (tests/warm_server.py); the reference (no job) from a server of its own: another string-hash seed."""
     rdzv = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}"] if job else ["--standalone"]
-    cmd = [str(TORCHRUN), *rdzv, "--nnodes=1", "--nproc-per-node=2", f"--max-restarts={restarts}"]
-    cmd += ["--monitor-interval=0.2"]
-    cmd += [str(TRAIN), "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
-    cmd += ["--keep-last", "100", "--losses-out", str(losses), *args]
+    options = [*rdzv, "--nnodes=1", "--nproc-per-node=2", f"--max-restarts={restarts}", "--monitor-interval=0.2"]
+    script = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
+    script += ["--keep-last", "100", "--losses-out", str(losses), *args]
+    cmd = warm_server.shared("default" if job else "other").torchrun(options, TRAIN, *script)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

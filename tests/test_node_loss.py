@@ -28,24 +28,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_server
 
 from tests.concurrent_runs import Jobs
 
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 CKPT = Path(sys.executable).with_name("ckpt")
 STEPS, LOST_AT, BACK_AT = 12, 5, 8
 JOB = "ckptfmt-node-loss-test"
 
 
 def torchrun(tmp: Path, name: str, nproc: int, *args: str, ok: bool = True) -> str:
-    """``name`` without its digits is the job (one run id, as a relaunched job keeps it): ``mem``, ``ref``."""
+    """``name`` without its digits is the job (one run id, as a relaunched job keeps it): ``mem``, ``ref``. Forked
+    warm (tests/warm_server.py), the reference's processes from a server of their own: another string-hash seed."""
     job = f"{JOB}-{name.rstrip('0123456789')}"
-    cmd = [str(TORCHRUN), "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}"]
-    cmd += ["--nnodes=1", f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.2"]
-    cmd += [str(TRAIN), "--steps", str(STEPS), "--every", "100", "--keep-last", "100", *args]
+    options = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={job}"]
+    options += ["--nnodes=1", f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.2"]
+    script = ["--steps", str(STEPS), "--every", "100", "--keep-last", "100", *args]
+    cmd = warm_server.shared("other" if name.startswith("ref") else "default").torchrun(options, TRAIN, *script)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
     if ok:

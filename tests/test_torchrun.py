@@ -17,20 +17,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_server
 from concurrent_runs import Jobs
 
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 CKPT = Path(sys.executable).with_name("ckpt")
 EVERY, KILL, STEPS_4, STEPS_2 = 2, 6, 10, 18  # 4 ranks x 16 = 64 samples a step, 256 an epoch
 
 
-def torchrun(ranks: int, run_dir: Path, steps: int, *args: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
-    cmd += ["--monitor-interval=0.5", str(TRAIN), "--run-dir", str(run_dir), "--steps", str(steps)]
-    cmd += ["--every", str(EVERY), "--keep-last", "100", *args]
+def torchrun(
+    ranks: int, run_dir: Path, steps: int, *args: str, restarts: int = 0, server: str = "default"
+) -> subprocess.CompletedProcess[str]:
+    """torchrun and its workers forked warm (tests/warm_server.py); ``server`` picks the string-hash seed."""
+    options = ["--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={restarts}", "--monitor-interval=0.5"]
+    script = ["--run-dir", str(run_dir), "--steps", str(steps), "--every", str(EVERY), "--keep-last", "100", *args]
+    cmd = warm_server.shared(server).torchrun(options, TRAIN, *script)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -62,7 +65,10 @@ def runs(tmp: Path) -> Jobs:
             restarts=1,
         ),
     )
-    jobs.add("reference", lambda: torchrun(4, tmp / "reference", STEPS_4, "--losses-out", str(tmp / "reference.json")))
+    jobs.add(
+        "reference",
+        lambda: torchrun(4, tmp / "reference", STEPS_4, "--losses-out", str(tmp / "reference.json"), server="other"),
+    )
     jobs.add(
         "smaller",
         lambda _: torchrun(

@@ -8,8 +8,9 @@ process of its own, with its own environment, output files and exit status, and 
 other. What the ranks test is unchanged (each runs its script as ``__main__`` with its own ``argv``).
 
 What a warm start does not vary is the interpreter's own start: every fork shares the server's imports and its
-string-hash seed, where cold processes each draw one. The torchrun, node-loss, memory-tier and story tests start
-every process cold and still compare runs bit for bit across processes with different seeds.
+string-hash seed, where cold processes each draw one. The torchrun tests fork theirs through tests/warm_server.py
+(torchrun starts those processes, not the test), the reference runs from a second server: another seed. The
+story, peer-hang and SIGTERM trainer tests start every process cold.
 
 Measured on the 2-core VM, machine-wide busy CPU-seconds (``/proc/stat``) of a module run alone, cold starts
 against warm: ``test_distributed.py`` 125 against 23 (67 s against 19-26 s), ``test_trainer_resume.py`` and
