@@ -8,9 +8,10 @@ ruff format --check .
 # plain pytest (not python -m pytest): the cwd must not shadow the installed package
 if [ "$#" -gt 0 ]; then
   mypy
+  wait "$PRECOMPILE_PID"
   exec pytest -q -p no:cacheprovider "$@"
 fi
-# Everything else at once, on CI's 2 cores: mypy (one core, 12 s), the single-process tests on
+# Everything else at once, on CI's 2 cores: mypy (one core, 12 s; beside the precompile), the single-process tests on
 # CKPTFMT_TEST_WORKERS pytest-xdist workers (default 2), and beside them the multi-process end-to-end tests
 # (`slow`) one module at a time. Each run alone left part of the machine idle (waiting on fsyncs, on subprocesses
 # starting, on the other worker's last test): one after the other they took 330 + 349 s, together 601 s.
@@ -20,6 +21,7 @@ export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 logs="$(mktemp -d)"
 mypy >"$logs/mypy" 2>&1 &
 mypy_pid=$!
+wait "$PRECOMPILE_PID"  # beside mypy: bytecode for what the tests import, before they start at once
 pytest -q -p no:cacheprovider -m slow --durations=15 >"$logs/slow" 2>&1 &
 slow_pid=$!
 status=0
