@@ -99,7 +99,8 @@ def test_sigterm_while_the_trainer_is_blocked_is_handled_by_the_watcher(tmp_path
         assert not (run_dir / "step-000000003").exists()
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while not (run_dir / "step-000000003" / "manifest.json").exists() and time.monotonic() < deadline:
+        # latest.json is written last, after the checkpoint commits (its manifest appearing is not the end)
+        while not (run_dir / "latest.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None  # still blocked: the persist came from the watcher thread
         assert ckptfmt.verify(run_dir / "step-000000003").ok
