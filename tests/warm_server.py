@@ -297,6 +297,9 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _launch(path: str, argv: list[str]) -> NoReturn:
+    # held from the start until the handlers are in: a signal sent the moment the command runs is passed on, not
+    # taken by the launcher's default action (or lost, where its starter left it ignored)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     umask = os.umask(0)
@@ -311,6 +314,7 @@ def _launch(path: str, argv: list[str]) -> NoReturn:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     status = b""
     while not status.endswith(b"\n"):
         chunk = conn.recv(64)
