@@ -12,9 +12,10 @@ if [ "$#" -gt 0 ]; then
   exec pytest -q -p no:cacheprovider "$@"
 fi
 # Everything else at once, on CI's 2 cores: mypy (one core, 12 s; beside the precompile), the single-process tests on
-# CKPTFMT_TEST_WORKERS pytest-xdist workers (default 2), and beside them the multi-process end-to-end tests
-# (`slow`) one module at a time. Each run alone left part of the machine idle (waiting on fsyncs, on subprocesses
-# starting, on the other worker's last test): one after the other they took 330 + 349 s, together 601 s.
+# CKPTFMT_TEST_WORKERS pytest-xdist workers (default 2; 3 was slower), and beside them the multi-process end-to-end
+# tests (`slow`) one module at a time, then the fuzz targets. Each run alone left part of the machine idle
+# (waiting on fsyncs, on subprocesses starting, on the other worker's last test): one after the other they took
+# 330 + 349 s, together 601 s.
 # The processes use no numpy BLAS: OpenBLAS would start a spinning thread per core in every process that imports
 # numpy (0.1 s of CPU each; 23 of the whole conformance run's 99 CPU-seconds).
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
@@ -22,10 +23,19 @@ logs="$(mktemp -d)"
 mypy >"$logs/mypy" 2>&1 &
 mypy_pid=$!
 wait "$PRECOMPILE_PID"  # beside mypy: bytecode for what the tests import, before they start at once
-pytest -q -p no:cacheprovider -m slow --durations=15 >"$logs/slow" 2>&1 &
+# The fuzz targets (about 130 CPU-seconds of one core, CPU-bound) run after the slow tests, in their run: beside
+# the single-process half that run finished minutes sooner and left a core idle (12 min 28 s in all, the halves
+# 660 s and 404 s).
+fuzz=tests/test_fuzz.py
+(
+  code=0
+  pytest -q -p no:cacheprovider -m slow --durations=15 || code=$?
+  pytest -q -p no:cacheprovider -m "not slow" --durations=5 "$fuzz" || code=$((code > 0 ? code : 1))
+  exit "$code"
+) >"$logs/slow" 2>&1 &
 slow_pid=$!
 status=0
-pytest -q -p no:cacheprovider -m "not slow" -n "${CKPTFMT_TEST_WORKERS:-2}" --durations=15 || status=$?
+pytest -q -p no:cacheprovider -m "not slow" -n "${CKPTFMT_TEST_WORKERS:-2}" --ignore="$fuzz" --durations=15 || status=$?
 wait "$mypy_pid" || status=$((status > 0 ? status : 1))
 cat "$logs/mypy"
 wait "$slow_pid" || status=$((status > 0 ? status : 1))
