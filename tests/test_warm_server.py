@@ -7,6 +7,7 @@ stopped command. The server here preloads nothing: what is tested is the process
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -123,8 +124,34 @@ def test_a_module_runs_as_main(server: WarmServer, tmp_path: Path) -> None:
     assert got.returncode == 0 and "json.tool" in got.stdout
 
 
-def test_a_signal_to_the_launcher_reaches_the_command(server: WarmServer, script: Path, tmp_path: Path) -> None:
-    launcher = subprocess.Popen(server.command(str(script), "term", str(tmp_path / "pid")), stdout=subprocess.PIPE)
+@pytest.mark.parametrize("blocked", ["nowhere", "in the launcher's starter", "in the server's starter"])
+def test_a_signal_to_the_launcher_reaches_the_command(
+    server: WarmServer, script: Path, tmp_path: Path, blocked: str
+) -> None:
+    """Also when whoever started the launcher, or the server, had SIGTERM blocked (a signal mask is inherited)."""
+    with contextlib.ExitStack() as stack:
+        if blocked == "in the server's starter":
+            with sigterm_blocked():
+                server = stack.enter_context(WarmServer(preload=[]))
+        command_line = server.command(str(script), "term", str(tmp_path / "pid"))
+        if blocked == "in the launcher's starter":
+            with sigterm_blocked():
+                launcher = subprocess.Popen(command_line, stdout=subprocess.PIPE)
+        else:
+            launcher = subprocess.Popen(command_line, stdout=subprocess.PIPE)
+        signalled(launcher, tmp_path)
+
+
+@contextlib.contextmanager
+def sigterm_blocked() -> Iterator[None]:
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def signalled(launcher: subprocess.Popen[bytes], tmp_path: Path) -> None:
     command = pid_in(tmp_path / "pid")
     assert command != launcher.pid
     launcher.send_signal(signal.SIGTERM)

@@ -123,6 +123,9 @@ def shared(name: str = "default") -> WarmServer:
 def _serve(path: str, preload: list[str]) -> None:
     import importlib
 
+    # a mask inherited from whatever started the server (a thread of pytest's, say) would reach every fork: a
+    # forwarded SIGTERM left pending in a command that never sees it
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for name in preload:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -298,7 +301,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 def _launch(path: str, argv: list[str]) -> NoReturn:
     # held from the start until the handlers are in: a signal sent the moment the command runs is passed on, not
-    # taken by the launcher's default action (or lost, where its starter left it ignored)
+    # taken by the launcher's default action; then unblocked, even if the launcher's starter had them blocked
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
