@@ -15,8 +15,7 @@ import ckptfmt
 from ckptfmt.errors import DigestMismatchError, ResumeMismatchError, UsageError
 from ckptfmt.read_plan import Target, whole
 from ckptfmt.run import checkpoint_name
-from ckptfmt.torch import CheckpointManager, ResumableSampler, api
-from ckptfmt.torch import state as state_mod
+from ckptfmt.torch import CheckpointManager, ResumableSampler, api, read_state
 from tests.page_cache import cached_pages, data_files, evict, pages
 
 
@@ -110,7 +109,7 @@ def test_bytes_changed_between_the_check_and_the_copy_are_caught_and_said(
     model, opt = _trained(7, 2)
     with ckptfmt.open(url) as ckpt:
         live = api.live_targets(model, opt)
-        snap = state_mod.read_snapshot(ckpt, None, live)
+        snap = read_state.read_snapshot(ckpt, None, live)
         assert snap.copy_in is not None
         _flip(url, "weights", 3)  # something rewrote the committed file in place, after the check
         with pytest.raises(DigestMismatchError) as info:
@@ -127,7 +126,7 @@ def test_from_an_object_store_the_load_reads_once_into_new_memory(tmp_path: Path
     expected = copy.deepcopy(_tensors(model, opt))
     model, opt = _trained(7, 2)
     with ckptfmt.open(url) as ckpt:
-        snap = state_mod.read_snapshot(ckpt, None, api.live_targets(model, opt))
+        snap = read_state.read_snapshot(ckpt, None, api.live_targets(model, opt))
         assert snap.copy_in is None and ckpt.bytes_read == sum(
             c.nbytes for f in ckpt.fields.values() for t in f.tensors.values() for c in t.chunks
         )
@@ -305,7 +304,7 @@ def test_a_checkpoint_read_once_leaves_the_page_cache_whether_the_load_is_applie
 
     evict(url)
     with ckptfmt.open(url) as ckpt:
-        snap = state_mod.read_snapshot(ckpt, None, api.live_targets(target, target_opt))
+        snap = read_state.read_snapshot(ckpt, None, api.live_targets(target, target_opt))
         assert snap.copy_in is not None and _cached_share(url) == 1.0  # checked: kept for the copy-in
         snap.discard()  # never applied
         assert _cached_share(url) < 0.02  # the pages at the edges of a range stay: a few of over a thousand

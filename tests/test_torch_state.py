@@ -37,8 +37,7 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.run import RunDirectory, checkpoint_name
-from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableSampler, api
-from ckptfmt.torch import state as state_mod
+from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableSampler, api, read_state
 
 # ---------------------------------------------------------------- helpers
 
@@ -755,14 +754,14 @@ def test_manager_on_two_ranks_saves_together_and_restores_the_same_checkpoint(
     assert latest is not None and latest["step"] == 6
     assert ckptfmt.open(str(run / checkpoint_name(6))).read_context("data")["global_sample_offset"] == 12
 
-    real = state_mod.read_snapshot
+    real = read_state.read_snapshot
 
     def read_snapshot(ckpt: Any, *args: Any) -> Any:
         if threading.current_thread().name.endswith("_1") and ckpt.url.rstrip("/").endswith(checkpoint_name(6)):
             raise OSError("rank 1 lost its connection to the store")
         return real(ckpt, *args)
 
-    monkeypatch.setattr(state_mod, "read_snapshot", read_snapshot)
+    monkeypatch.setattr(read_state, "read_snapshot", read_snapshot)
 
     fresh = [tiny_state(seed=9) for _ in range(2)]
 

@@ -22,7 +22,7 @@ from ..reader import Checkpoint, open_checkpoint
 from ..run import check_replaceable_url
 from ..storage import open_store
 from ..writer import CheckpointWriter
-from . import in_place, rng, sharding, state
+from . import in_place, read_state, rng, sharding, state
 from . import loader as loader_mod
 from .state import HostBuffers, Snapshot
 
@@ -391,7 +391,7 @@ def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
     # tensors with a home in host memory checked where they are stored, and copied in as the last step of applying
     model = kwargs.get("model")
     live = live_targets(model, kwargs.get("optimizer"), kwargs.get("skip_fields", ())) if model is not None else None
-    snap = state.read_snapshot(ckpt, state.load_targets(model) if model is not None else None, live)
+    snap = read_state.read_snapshot(ckpt, read_state.load_targets(model) if model is not None else None, live)
     return restore(snap, checkpoint_id=ckpt.id, url=ckpt.url, **kwargs)
 
 

@@ -54,7 +54,7 @@ from ..tier.agreed import AgreedRestore, Fetched
 from ..tier.persist import Persisted
 from ..tier.replica import RoundResult
 from ..writer import CheckpointWriter
-from . import api, sharding, state
+from . import api, read_state, sharding, state
 from .api import Policy
 from .memory import MemorySnapshots
 from .restore_report import Candidate, RestoreReport, estimated_state_bytes
@@ -527,7 +527,7 @@ class CheckpointManager:
                 assert self._agreed is not None
                 try:
                     manifest = parse_manifest(candidate.option.manifest_bytes)
-                    needed = state.files_needed(manifest, state.load_targets(model))
+                    needed = read_state.files_needed(manifest, read_state.load_targets(model))
                     fetched = self._agreed.fetch(candidate.option, needed)
                 except CheckpointError as exc:  # the same error on every rank: all pass over it together
                     log.warning("skipping %s: its files could not be gathered: %s", entry_name, exc)
@@ -548,7 +548,7 @@ class CheckpointManager:
                 if report is not None and not report.ok:
                     log.warning("skipping %s: %s", entry_name, "; ".join(map(str, report.problems[:3])))
                 else:
-                    snap = state.read_snapshot(ckpt, state.load_targets(model), live)
+                    snap = read_state.read_snapshot(ckpt, read_state.load_targets(model), live)
                     ckpt_id, ckpt_url, profile = ckpt.id, ckpt.url, ckpt.profile
                     # a self-contained checkpoint is a full save whoever wrote it
                     depth = _since_full(ckpt.manifest.metadata) if ckpt.manifest.bases else 0

@@ -24,6 +24,7 @@ MODULES = (
     "torch.distributed.tensor",
     "torch.optim",
     "ckptfmt.torch.state",
+    "ckptfmt.torch.read_state",
     "ckptfmt.tier",
 )
 

@@ -1,18 +1,16 @@
 """Turning PyTorch training objects into ckptfmt fields and back.
 
 A training state is captured into a :class:`Snapshot` (host-memory tensors plus context maps),
-written by :func:`write_snapshot`, read back whole by :func:`read_snapshot` — every byte read and
-verified before anything is applied — and only then applied to the live objects by :func:`apply_model`,
-:func:`apply_optimizer` and :func:`apply_stateful` (:func:`ckptfmt.torch.api.apply` calls them). So a corrupt
-checkpoint is refused before the model is touched.
+written by :func:`write_snapshot`, read back whole by :func:`ckptfmt.torch.read_state.read_snapshot` — every
+byte read and verified before anything is applied — and only then applied to the live objects by
+:func:`apply_model`, :func:`apply_optimizer` and :func:`apply_stateful` (:func:`ckptfmt.torch.api.apply` calls
+them). So a corrupt checkpoint is refused before the model is touched.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,17 +23,13 @@ from ..canonical import config_hash, config_to_dict
 from ..collective import Collective
 from ..context import decode, encode
 from ..errors import ContextError, UsageError
-from ..manifest import FieldRecord, Manifest
-from ..read_plan import Target, whole
-from ..reader import Checkpoint
 from ..writer import COORDINATOR, CheckpointWriter
-from . import in_place, rng
+from . import rng
 from .in_place import Checked
 from .sharding import (
     LocalShard,
     TargetShard,
     is_dtensor,
-    local_region,
     owners,
     replicated_sizes,
     shard_of,
@@ -409,126 +403,3 @@ def _gather_rng(snap: Snapshot, collective: Collective) -> None:
     gathered = collective.gather(encode(snap.contexts["rng"], where="field 'rng'"), dst=COORDINATOR)
     if gathered is not None:
         snap.contexts["rng"] = rng.with_ranks([decode(g, field="rng") for g in gathered])
-
-
-def _placed(field_name: str, record: FieldRecord, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """The tensors of a field that load into a live DTensor (only its region is read): name -> the DTensor."""
-    placed: dict[str, Any] = {}
-    for tname, tensor in record.tensors.items():
-        owner = tname if field_name == "weights" else tname.rpartition("/")[0] if field_name == "optimizer" else ""
-        like = targets.get(owner)
-        if like is not None and tuple(tensor.shape) == tuple(int(d) for d in like.shape):
-            placed[tname] = like
-    return placed
-
-
-def files_needed(manifest: Manifest, targets: Mapping[str, Any] | None = None) -> set[str]:
-    """The files :func:`read_snapshot` reads from a checkpoint with ``manifest`` on this rank: every context
-    blob, and the data files of the chunks it reads (for a placed tensor, those overlapping this rank's region)."""
-    targets = targets or {}
-    needed: set[str] = set()
-    for name, record in manifest.fields.items():
-        if record.context is not None:
-            needed.add(record.context)
-        placed = _placed(name, record, targets) if record.kind == "tensors" else {}
-        for tname, tensor in record.tensors.items():
-            like = placed.get(tname)
-            region = local_region(like) if like is not None else None
-            for chunk in tensor.chunks:
-                if region is None or _overlaps(chunk.offsets, chunk.shape, region[0], region[1]):
-                    needed.add(chunk.path)
-    return needed
-
-
-def _overlaps(offsets: Any, shape: Any, lo: Any, size: Any) -> bool:
-    return all(o < b + s and b < o + n for o, n, b, s in zip(offsets, shape, lo, size, strict=True))
-
-
-def read_snapshot(
-    ckpt: Checkpoint, targets: Mapping[str, Any] | None = None, live: Mapping[tuple[str, str], Any] | None = None
-) -> Snapshot:
-    """Every field, every byte read and digest-checked, before anything is applied anywhere.
-
-    ``targets`` maps a parameter's name to the live DTensor it will be loaded into (:func:`load_targets`):
-    for it, and for optimizer state shaped like it (``<name>/exp_avg``...), only the region this rank
-    holds is read, from the chunks that overlap it, whatever the saving topology.
-
-    ``live`` (:func:`in_place.live_tensors`) are tensors the load may fill in place: those that qualify are
-    checked now and become :class:`Checked` entries, filled by ``snap.copy_in()`` while ``ckpt`` is open.
-    """
-    snap = Snapshot()
-    targets = targets or {}
-    records = {(n, t): tensor for n, r in ckpt.fields.items() if r.kind == "tensors" for t, tensor in r.tensors.items()}
-    # in place only where a second read is a copy out of the page cache: on an object store it would be a second GET
-    checked = in_place.plan(records, live or {}) if ckpt.store.capabilities.local else {}
-    # One read plan for every tensor of every field: each file's pieces are read together and files in parallel.
-    regions: list[Target] = []
-    likes: list[Any] = []
-    for name, record in ckpt.fields.items():
-        if record.kind != "tensors":
-            continue
-        placed = _placed(name, record, targets)
-        snap.tensors[name] = {}
-        for tname, tensor in record.tensors.items():
-            if (name, tname) in checked:
-                snap.tensors[name][tname] = checked[(name, tname)]
-                continue
-            like = placed.get(tname)
-            if like is None:
-                regions.append(whole(name, tname, tensor))
-            else:
-                offsets, shape = local_region(like)
-                regions.append(Target(name, tname, tensor.dtype, tuple(offsets), tuple(shape)))
-            likes.append(like)
-    # The context blobs (small files: a disk's latency each) are read beside the tensors, not after them.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-contexts") as side:
-        contexts = side.submit(
-            lambda: {name: ckpt.read_context(name) for name, record in ckpt.fields.items() if record.context}
-        )
-        # checked first: its streams run across the small tensors between the large ones, which the read then
-        # finds in the page cache instead of seeking for each
-        check = [c.target for c in checked.values()]
-        ckpt.check_regions(check)
-        try:
-            arrays = ckpt.read_regions(regions)
-            snap.contexts.update(contexts.result())
-        except BaseException:
-            ckpt.forget_regions(check)  # refused: what was checked will not be copied in, so not kept cached
-            raise
-    for region, like, array in zip(regions, likes, arrays, strict=True):
-        snap.tensors[region.field][region.tensor] = array if like is None else TargetShard(array, like)
-    if checked:
-        aliased = _untied_aliases(ckpt, snap, checked, records, live or {})  # may take some out of checked
-        fills = list(checked.values()) + aliased
-        snap.copy_in = functools.partial(in_place.copy_in, ckpt, fills)
-        snap.forget = functools.partial(ckpt.forget_regions, [c.target for c in fills])
-    return snap
-
-
-def _untied_aliases(
-    ckpt: Checkpoint,
-    snap: Snapshot,
-    checked: dict[tuple[str, str], Checked],
-    records: Mapping[tuple[str, str], Any],
-    live: Mapping[tuple[str, str], Any],
-) -> list[Checked]:
-    """A tensor saved tied (stored once, the other names aliases) loaded into a model where it is not: each alias's
-    own tensor is filled from the stored one too; where it cannot be (another device...), the stored tensor is
-    read into memory instead, as without in-place loads, and copied to both."""
-    out: list[Checked] = []
-    for alias, name in snap.contexts.get("weights", {}).get("aliases", {}).items():
-        stored, mine = checked.get(("weights", name)), live.get(("weights", alias))
-        if stored is None or mine is None or in_place.same_memory(mine, stored.live):
-            continue
-        fits = in_place.plan({("weights", alias): records[("weights", name)]}, {("weights", alias): mine})
-        if fits:
-            out.append(Checked(stored.target, mine, fits[("weights", alias)].local))
-        else:
-            snap.tensors["weights"][name] = ckpt.read_regions([stored.target])[0]
-            checked.pop(("weights", name))
-    return [c for c in out if ("weights", c.target.tensor) in checked]
-
-
-def load_targets(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's DTensors by name: where a load must place what it reads on this rank."""
-    return {name: t for name, t in model.state_dict(keep_vars=True).items() if is_dtensor(t)}
