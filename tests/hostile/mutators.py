@@ -135,9 +135,9 @@ Path_ = tuple[Any, ...]
 
 
 def json_paths(value: Any, path: Path_ = (), out: list[Path_] | None = None, limit: int = 4000) -> list[Path_]:
+    """Paths of every node (the root included), depth first, at most ``limit`` of them."""
     if len(path) > 100:  # a mutant nested deeper than any seed: its top is mutation enough
         return out if out is not None else []
-    """Paths of every node (the root included), depth first, at most ``limit`` of them."""
     out = [] if out is None else out
     if len(out) >= limit:
         return out
