@@ -28,16 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-PRELOAD = [
-    "torch",
-    "torch._dynamo",
-    "torch.distributed",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "safetensors.torch",
-    "ckptfmt.torch",
-]
+from warm_server import PRELOAD  # one list of what a warm fork has imported, for both kinds
+
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
 

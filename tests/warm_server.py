@@ -41,7 +41,7 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-PRELOAD = [  # what the torchrun tests' agents and workers import (examples/train.py, torch.distributed.run)
+PRELOAD = [  # what the warm forks' scripts import (examples/train.py, torchrun); tests/warm_ranks.py's too
     "torch",
     "torch._dynamo",
     "torch.distributed",
