@@ -77,9 +77,9 @@ def main() -> None:
         busy_steps: list[float] = []  # async: steps while a save persists in the background
         held: list[float] = []  # how long the optimizer.step() after each save waited for the copy
         for i in range(1, args.steps + 1):
-            busy = mgr._inflight is not None and not mgr._inflight.done()
+            persisting = mgr._inflight is not None and not mgr._inflight.done()
             before = mgr.held_seconds
-            (busy_steps if busy else quiet_steps).append(timed(step))
+            (busy_steps if persisting else quiet_steps).append(timed(step))
             if i > 1 and (i - 1) % args.every == 0:
                 held.append(mgr.held_seconds - before)
             if i % args.every == 0:
@@ -91,11 +91,13 @@ def main() -> None:
 
     # the parts of the async stall, measured alone
     buffers = state.HostBuffers()
+
+    def to_host() -> None:
+        state.capture_model(model, state.Snapshot(), buffers)
+        state.capture_optimizer(optimizer, state.Snapshot(), buffers)
+
     snap_parts = {
-        "snapshot to host buffers (weights + optimizer)": lambda: (
-            state.capture_model(model, state.Snapshot(), buffers),
-            state.capture_optimizer(optimizer, state.Snapshot(), buffers),
-        ),
+        "snapshot to host buffers (weights + optimizer)": to_host,
         "git lookup (the manager does it once, at start, not per save)": lambda: provenance.capture(step=1),
         "full capture, as the manager does it (all seven fields)": lambda: api.capture(
             step=1, model=model, optimizer=optimizer, sampler=sampler, config=config, buffers=buffers, code={}

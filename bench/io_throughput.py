@@ -64,6 +64,16 @@ def fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+def durable(save: Callable[[], object], path: Path) -> Callable[[], None]:
+    """``save``, then an fsync of everything under ``path``: a peer's save made as durable as ckptfmt's."""
+
+    def run() -> None:
+        save()
+        fsync_tree(path)
+
+    return run
+
+
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -151,7 +161,7 @@ def main() -> None:
         record(
             "safetensors+fsync",
             "write",
-            timed(lambda: (save_file(tensors, str(sf)), fsync_tree(sf.parent))),
+            timed(durable(lambda: save_file(tensors, str(sf)), sf.parent)),
         )
         record("safetensors", "read", timed(lambda: load_file(str(st / "model.safetensors"))))
 
@@ -165,7 +175,7 @@ def main() -> None:
             record(
                 "torch.save+fsync",
                 "write",
-                timed(lambda: (torch.save(ttensors, tp / "model2.pt"), fsync_tree(tp))),
+                timed(durable(lambda: torch.save(ttensors, tp / "model2.pt"), tp)),
             )
             record("torch.save", "read", timed(lambda: torch.load(tp / "model.pt", weights_only=True)))
 

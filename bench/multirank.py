@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import ckptfmt
     import ckptfmt.torch as ct
-    from ckptfmt.torch import state as st
+    from ckptfmt.torch import read_state as st
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -100,7 +101,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def dcp_restore(into: Any, into_optimizer: Any, path: Path) -> None:
         msd2, osd2 = get_state_dict(into, into_optimizer)
-        state = {"model": msd2, "optim": osd2}
+        state: dict[str, Any] = {"model": msd2, "optim": osd2}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(into, into_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -111,6 +112,7 @@ def worker(args: argparse.Namespace) -> None:
             if rank == 0:
                 evict(path)
                 settle()
+            load: Callable[[], object]
             if key == "ckptfmt_restart":
                 load = functools.partial(
                     ct.load, ours, model=fresh, optimizer=fresh_optimizer, config=config, sampler=sampler
@@ -259,8 +261,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ratios": _ratios(theirs, ours),
         }
         for key in ("ckptfmt_restart", "dcp_restart"):
-            slowest = [max(r[key][i] for r in rows) for i in range(args.repeat)]
-            report["reshard"][f"4->{world}"][key] = statistics.median(slowest)
+            report["reshard"][f"4->{world}"][key] = statistics.median(
+                max(r[key][i] for r in rows) for i in range(args.repeat)
+            )
         report["reshard"][f"4->{world}"]["restart_ratios"] = _ratios(
             [max(r["dcp_restart"][i] for r in rows) for i in range(args.repeat)],
             [max(r["ckptfmt_restart"][i] for r in rows) for i in range(args.repeat)],

@@ -42,7 +42,7 @@ import numpy as np
 import ckptfmt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from s3_server import CountingProxy, MotoServer
+from s3_server import CountingProxy, MotoServer  # type: ignore[import-not-found]  # tests/, on sys.path above
 
 MiB = 1 << 20
 SMALL = "small.probe"
