@@ -94,6 +94,18 @@ def empty(shape: Sequence[int], dtype: np.dtype[Any]) -> tuple[np.ndarray[Any, A
     return np.frombuffer(mapping, dtype=dtype, count=count).reshape(tuple(shape)), mapping
 
 
+def aligned(nbytes: int) -> memoryview:
+    """``nbytes`` of page-aligned, uninitialized memory, for the kernel to read into.
+
+    Where a read lands matters: reading a file out of the page cache into a buffer 16 bytes past a page boundary
+    (where the allocator puts a large ``np.empty`` or ``bytearray``) took 0.38 s per GiB on this 2-core VM against
+    0.23-0.25 s into a page-aligned one, with the same ``preadv`` calls and whatever the file offset."""
+    if nbytes < mmap.PAGESIZE:
+        return memoryview(bytearray(nbytes))  # one page or less: the copy is too short for its alignment to matter
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return memoryview(mapping)  # the view keeps the mapping alive; it is unmapped when both are gone
+
+
 class Populator:
     """Populates ``mappings`` in order on a thread of its own until done or :meth:`close`d (a context manager)."""
 
@@ -130,4 +142,4 @@ class Populator:
         self.close()
 
 
-__all__ = ["MAX_MAPPINGS", "MIN_MAPPED", "POPULATE", "Populator", "empty"]
+__all__ = ["MAX_MAPPINGS", "MIN_MAPPED", "POPULATE", "Populator", "aligned", "empty"]

@@ -37,7 +37,7 @@ from .errors import CheckpointError, DigestMismatchError, UsageError
 from .file_checks import FileChecks
 from .manifest import ChunkRecord
 from .read_plan import Piece, ReadPlan, Target
-from .storage import Store
+from .storage import RangeReader, Store
 
 MIN_PART = 1 << 20
 MAX_PART = 64 << 20
@@ -302,16 +302,29 @@ class ReadExecutor:
     def _stream(
         self, path: str, begin: int, end: int, consume: Callable[[int, memoryview], None], *, keep_cached: bool
     ) -> None:
-        """The bytes ``[begin, end)`` of a file, in order, as :meth:`scan` hands them out."""
+        """The bytes ``[begin, end)`` of a file, in order, as :meth:`scan` hands them out, through one reader of the
+        file (a local disk's readahead follows the stream)."""
         size = end - begin
         if size <= 0:
             return
-        buffers = self._take_scan_buffers(size)
+        with self.store.reader(path) as reader:
+            self._stream_from(reader, begin, end, consume, keep_cached=keep_cached)
+
+    def _stream_from(
+        self,
+        reader: RangeReader,
+        begin: int,
+        end: int,
+        consume: Callable[[int, memoryview], None],
+        *,
+        keep_cached: bool,
+    ) -> None:
+        buffers = self._take_scan_buffers(end - begin)
         pending: Future[memoryview] | None = None
 
         def read(pos: int, buf: memoryview) -> memoryview:
             view = buf[: min(len(buf), end - pos)]
-            self.store.read_ranges(path, [(pos, view)], keep_cached=keep_cached)
+            reader.read_ranges([(pos, view)], keep_cached=keep_cached)
             return view
 
         try:
@@ -340,8 +353,7 @@ class ReadExecutor:
             with self._lock:
                 if self._scan_buffers:
                     return self._scan_buffers.pop()
-        # uninitialized: bytearray would zero bytes that the reads overwrite anyway
-        first, second = (byte_view(np.empty(min(size, SCAN_BYTES), dtype=np.uint8)) for _ in range(2))
+        first, second = (host_memory.aligned(min(size, SCAN_BYTES)) for _ in range(2))
         return first, second
 
     def _read_ahead(self) -> ThreadPoolExecutor:

@@ -99,3 +99,71 @@ def test_scans_reuse_their_buffers_and_read_ahead_threads(tmp_path: Path, monkey
     executor.close()
     ckpt.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptfmt-scan")]
+
+
+def test_a_scan_reads_its_file_through_one_open_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream keeps one descriptor for all its reads (the kernel's readahead lives in it), into page-aligned
+    buffers, and closes it at its end, also when its consumer fails."""
+    import mmap
+    import os
+
+    from ckptfmt import read_executor
+    from ckptfmt.file_checks import FileChecks
+    from ckptfmt.read_executor import ReadExecutor
+    from ckptfmt.storage import LocalStore
+
+    monkeypatch.setattr(read_executor, "SCAN_BYTES", 1 << 18)
+    data = np.random.default_rng(6).standard_normal(300_000).astype(np.float32)
+    with ckptfmt.open_writer(tmp_path / "c", profile="weights") as w:
+        w.write_tensor("weights", "t", data)
+    store = LocalStore(tmp_path / "c")
+    ckpt = ckptfmt.open(tmp_path / "c")
+    file = next(f for f in ckpt.manifest.files if f.path.endswith(".safetensors"))
+    opened: list[str] = []
+    original = LocalStore._open_read
+
+    def counting(self: LocalStore, path: str) -> int:
+        opened.append(path)
+        return original(self, path)
+
+    monkeypatch.setattr(LocalStore, "_open_read", counting)
+    executor = ReadExecutor(store, FileChecks(store, ckpt.manifest))
+    fds = len(os.listdir("/proc/self/fd"))
+    parts: list[tuple[int, bytes]] = []
+    addresses: set[int] = set()
+
+    def consume(pos: int, view: memoryview) -> None:
+        parts.append((pos, bytes(view)))
+        addresses.add(np.frombuffer(view, np.uint8).ctypes.data % mmap.PAGESIZE)
+
+    executor.scan(file.path, file.size, consume)
+    assert b"".join(p for _, p in parts) == (tmp_path / "c" / file.path).read_bytes()
+    assert len(parts) == 5 and opened == [file.path]  # five reads, one open
+    assert addresses == {0}
+    assert len(os.listdir("/proc/self/fd")) == fds  # closed at the end
+
+    def failing(pos: int, view: memoryview) -> None:
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        executor.scan(file.path, file.size, failing)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    executor.close()
+    ckpt.close()
+
+
+def test_a_local_reader_reads_ranges_and_names_its_file_when_it_ends_early(tmp_path: Path) -> None:
+    from ckptfmt.errors import SizeMismatchError
+    from ckptfmt.storage import LocalStore
+
+    (tmp_path / "f.bin").write_bytes(bytes(range(256)) * 4)
+    store = LocalStore(tmp_path)
+    with store.reader("f.bin") as reader:
+        a, b = memoryview(bytearray(3)), memoryview(bytearray(2))
+        reader.read_ranges([(10, a), (13, b)])
+        assert bytes(a) + bytes(b) == bytes(range(10, 15))
+        reader.read_ranges([(1020, memoryview(bytearray(4)))], keep_cached=False)
+        with pytest.raises(SizeMismatchError, match="file ends before byte 1034") as caught:
+            reader.read_ranges([(1020, memoryview(bytearray(14)))])
+        assert caught.value.path == "f.bin"
+    reader.close()  # idempotent

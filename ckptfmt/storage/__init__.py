@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
-from .base import Capabilities, FileInfo, OutputFile, Store
+from .base import Capabilities, FileInfo, OutputFile, RangeReader, Store
 from .local import LocalStore
 
 if TYPE_CHECKING:
@@ -57,4 +57,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Capabilities", "FileInfo", "FsspecStore", "LocalStore", "OutputFile", "S3Store", "Store", "open_store"]
+__all__ = [
+    "Capabilities",
+    "FileInfo",
+    "FsspecStore",
+    "LocalStore",
+    "OutputFile",
+    "RangeReader",
+    "S3Store",
+    "Store",
+    "open_store",
+]

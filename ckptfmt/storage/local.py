@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError
-from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, Store, split_path
+from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, RangeReader, Store, split_path
 from .direct import StagedWriter
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -338,6 +338,26 @@ def _walk_into(dir_fd: int, prefix: str, out: dict[str, os.stat_result], depth: 
             os.close(child)
 
 
+class _LocalReader(RangeReader):
+    """One descriptor, opened as every read here is (no symlink followed, a regular file), for all its reads."""
+
+    def __init__(self, store: Store, path: str, fd: int) -> None:
+        super().__init__(store, path)
+        self._fd = fd
+
+    def read_ranges(self, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
+        assert self._fd >= 0, "read after close"
+        for begin, views in merge_adjacent(requests):
+            preadv_exact(self._fd, self.path, begin, views)
+            if not keep_cached and _DONTNEED is not None:
+                os.posix_fadvise(self._fd, begin, sum(len(v) for v in views), _DONTNEED)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class LocalOutput(OutputFile):
     """A temp file ``.<name>.tmp-<12 hex>`` beside the final name, in a directory held open by fd; written
     through a staging buffer, around the page cache when ``direct`` (storage/direct.py)."""
@@ -468,14 +488,11 @@ class LocalStore(Store):
         self.read_ranges(path, [(begin, out)])
 
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
-        fd = self._open_read(path)  # one walk and one open for every range of the file
-        try:
-            for begin, views in merge_adjacent(requests):
-                preadv_exact(fd, path, begin, views)
-                if not keep_cached and _DONTNEED is not None:
-                    os.posix_fadvise(fd, begin, sum(len(v) for v in views), _DONTNEED)
-        finally:
-            os.close(fd)
+        with self.reader(path) as reader:  # one walk and one open for every range of the file
+            reader.read_ranges(requests, keep_cached=keep_cached)
+
+    def reader(self, path: str) -> RangeReader:
+        return _LocalReader(self, path, self._open_read(path))
 
     def drop_cached(self, path: str, begin: int, end: int) -> None:
         if _DONTNEED is None or end <= begin:

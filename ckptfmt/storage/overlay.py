@@ -13,7 +13,7 @@ import mmap
 from collections.abc import Sequence
 
 from ..errors import MissingFileError, UsageError
-from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, Store
+from .base import DEFAULT_MAX_READ, Capabilities, OutputFile, RangeReader, Store
 
 
 class OverlayStore(Store):
@@ -54,6 +54,9 @@ class OverlayStore(Store):
 
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         self._layer(path).read_ranges(path, requests, keep_cached=keep_cached)
+
+    def reader(self, path: str) -> RangeReader:
+        return self._layer(path).reader(path)
 
     def drop_cached(self, path: str, begin: int, end: int) -> None:
         self._layer(path).drop_cached(path, begin, end)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..errors import CheckpointError, UsageError
-from .base import DEFAULT_MAX_READ, OutputFile, Store
+from .base import DEFAULT_MAX_READ, OutputFile, RangeReader, Store
 
 PARENT = "../"
 T = TypeVar("T")
@@ -69,6 +69,11 @@ class RoutedStore(Store):
 
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
         self._on(path, lambda store, rest: store.read_ranges(rest, requests, keep_cached=keep_cached))
+
+    def reader(self, path: str) -> RangeReader:
+        # the checkpoint's own files keep their store's reader; a base's go through read_ranges, which names
+        # them as this checkpoint knows them when they fail
+        return self.own.reader(path) if not path.startswith(PARENT) else RangeReader(self, path)
 
     def drop_cached(self, path: str, begin: int, end: int) -> None:
         self._on(path, lambda store, rest: store.drop_cached(rest, begin, end))
