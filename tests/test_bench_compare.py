@@ -55,6 +55,7 @@ def test_quick_run_measures_every_peer_and_compresses(tmp_path: Path) -> None:
         "ckpt-verify",
         "ckpt-verify-quiet",
         "cat",
+        "dd-nocache",
         "cat-warm",
         "ckpt-help",
     }
