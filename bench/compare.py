@@ -659,9 +659,9 @@ def main() -> None:
         return
     size = 2 * MiB if args.quick else parse_size(args.size)
     repeat = 1 if args.quick else args.repeat
-    out_root = Path(__file__).parent / "out"
-    out_root.mkdir(exist_ok=True)
-    base = Path(tempfile.mkdtemp(prefix="compare-", dir=args.dir or out_root))
+    out_root = Path(args.dir) if args.dir else Path(__file__).parent / "out"
+    out_root.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="compare-", dir=out_root))
     cold = False if args.quick else drop_caches()
     results: dict[str, dict[str, list[dict[str, float]]]] = {s: {} for s in STATES}
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

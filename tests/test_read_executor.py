@@ -10,7 +10,23 @@ import numpy as np
 import pytest
 
 import ckptfmt
+from ckptfmt.errors import UsageError
 from ckptfmt.storage import Store
+
+
+def count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths a LocalStore opens for reading from now on, in order."""
+    from ckptfmt.storage import LocalStore
+
+    opened: list[str] = []
+    original = LocalStore._open_read
+
+    def counting(self: LocalStore, path: str) -> int:
+        opened.append(path)
+        return original(self, path)
+
+    monkeypatch.setattr(LocalStore, "_open_read", counting)
+    return opened
 
 
 def test_reading_a_field_asks_the_store_once_per_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,14 +135,7 @@ def test_a_scan_reads_its_file_through_one_open_reader(tmp_path: Path, monkeypat
     store = LocalStore(tmp_path / "c")
     ckpt = ckptfmt.open(tmp_path / "c")
     file = next(f for f in ckpt.manifest.files if f.path.endswith(".safetensors"))
-    opened: list[str] = []
-    original = LocalStore._open_read
-
-    def counting(self: LocalStore, path: str) -> int:
-        opened.append(path)
-        return original(self, path)
-
-    monkeypatch.setattr(LocalStore, "_open_read", counting)
+    opened = count_opens(monkeypatch)
     executor = ReadExecutor(store, FileChecks(store, ckpt.manifest))
     fds = len(os.listdir("/proc/self/fd"))
     parts: list[tuple[int, bytes]] = []
@@ -167,3 +176,26 @@ def test_a_local_reader_reads_ranges_and_names_its_file_when_it_ends_early(tmp_p
             reader.read_ranges([(1020, memoryview(bytearray(14)))])
         assert caught.value.path == "f.bin"
     reader.close()  # idempotent
+    with pytest.raises(UsageError, match=r"f\.bin: read through a closed reader"):
+        reader.read_ranges([(0, memoryview(bytearray(1)))])
+
+
+def test_a_local_reader_streams_dropping_reads_on_its_descriptor_and_opens_one_per_keeping_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # measured (storage/local.py): readahead on one descriptor wins when the pages are dropped, loses when kept
+    from ckptfmt.storage import LocalStore
+
+    (tmp_path / "f.bin").write_bytes(bytes(range(256)) * 64)
+    store = LocalStore(tmp_path)
+    opened = count_opens(monkeypatch)
+    with store.reader("f.bin") as reader:
+        for pos in range(0, 16384, 4096):
+            view = memoryview(bytearray(4096))
+            reader.read_ranges([(pos, view)], keep_cached=False)
+            assert bytes(view) == bytes(range(256)) * 16
+        assert opened == ["f.bin"]
+        kept = memoryview(bytearray(8))
+        reader.read_ranges([(256, kept)])
+        reader.read_ranges([(512, memoryview(bytearray(8)))])
+        assert bytes(kept) == bytes(range(8)) and opened == ["f.bin"] * 3

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError
+from ..errors import MissingFileError, SizeMismatchError, StorageError, UnsafePathError, UsageError
 from .base import DEFAULT_MAX_READ, Capabilities, FileInfo, OutputFile, RangeReader, Store, split_path
 from .direct import StagedWriter
 
@@ -338,19 +338,33 @@ def _walk_into(dir_fd: int, prefix: str, out: dict[str, os.stat_result], depth: 
             os.close(child)
 
 
+def _read_ranges_on(fd: int, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool) -> None:
+    for begin, views in merge_adjacent(requests):
+        preadv_exact(fd, path, begin, views)
+        if not keep_cached and _DONTNEED is not None:
+            os.posix_fadvise(fd, begin, sum(len(v) for v in views), _DONTNEED)
+
+
 class _LocalReader(RangeReader):
-    """One descriptor, opened as every read here is (no symlink followed, a regular file), for all its reads."""
+    """One descriptor, opened as every read here is (no symlink followed, a regular file), for the reads that drop
+    their pages as they go; a read that keeps them opens one of its own.
+
+    Measured on the 2-core CI VM (384 MiB in 8 MiB reads, cold, median of 8): dropping, one descriptor took 0.19 s
+    against 0.25 s with a descriptor per read (the kernel's readahead follows the stream); keeping the pages, one
+    descriptor took 0.37-0.49 s (0.24-1.0 from run to run) against 0.21-0.25 s with a descriptor per read, whose
+    readahead starts over at each read and reads exactly it."""
 
     def __init__(self, store: Store, path: str, fd: int) -> None:
         super().__init__(store, path)
         self._fd = fd
 
     def read_ranges(self, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
-        assert self._fd >= 0, "read after close"
-        for begin, views in merge_adjacent(requests):
-            preadv_exact(self._fd, self.path, begin, views)
-            if not keep_cached and _DONTNEED is not None:
-                os.posix_fadvise(self._fd, begin, sum(len(v) for v in views), _DONTNEED)
+        if self._fd < 0:
+            raise UsageError(f"{self.path}: read through a closed reader")
+        if keep_cached:
+            self.store.read_ranges(self.path, requests)
+        else:
+            _read_ranges_on(self._fd, self.path, requests, keep_cached=False)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -488,8 +502,11 @@ class LocalStore(Store):
         self.read_ranges(path, [(begin, out)])
 
     def read_ranges(self, path: str, requests: Sequence[tuple[int, memoryview]], *, keep_cached: bool = True) -> None:
-        with self.reader(path) as reader:  # one walk and one open for every range of the file
-            reader.read_ranges(requests, keep_cached=keep_cached)
+        fd = self._open_read(path)  # one walk and one open for every range of the file
+        try:
+            _read_ranges_on(fd, path, requests, keep_cached=keep_cached)
+        finally:
+            os.close(fd)
 
     def reader(self, path: str) -> RangeReader:
         return _LocalReader(self, path, self._open_read(path))
