@@ -714,7 +714,7 @@ def main() -> None:
                         shutil.rmtree(base / state / f"{op}-{r}", ignore_errors=True)
                 report.setdefault("sizes", {})[state] = sizes(tensors, stored)
                 del tensors
-            model = Path(args.model) if args.model else default_model(out_root)
+            model = Path(args.model) if args.model else default_model(Path(__file__).parent / "out")
             if model is not None and model.exists():
                 report["model"] = {"path": str(model), **model_sizes(model)}
     finally:
