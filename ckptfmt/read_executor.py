@@ -303,7 +303,7 @@ class ReadExecutor:
         self, path: str, begin: int, end: int, consume: Callable[[int, memoryview], None], *, keep_cached: bool
     ) -> None:
         """The bytes ``[begin, end)`` of a file, in order, as :meth:`scan` hands them out, through one reader of the
-        file (a local disk's readahead follows the stream)."""
+        file (which keeps what its backend learns from the stream: :class:`RangeReader`)."""
         size = end - begin
         if size <= 0:
             return
