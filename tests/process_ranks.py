@@ -40,9 +40,14 @@ def launch(
             stdout, _ = proc.communicate(timeout=timeout)
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""))
     except subprocess.TimeoutExpired as exc:
-        for proc in procs:
+        said = []
+        for rank, proc in enumerate(procs):
+            status = proc.returncode  # None: still running when the time ran out
             proc.kill()
-        raise AssertionError(f"{script.name} on {world} ranks hung") from exc
+            proc.wait()
+            state = "running" if status is None else f"exited {status}"
+            said.append(f"--- rank {rank} ({state}):\n{proc.output()[-3000:]}")
+        raise AssertionError(f"{script.name} on {world} ranks hung\n" + "\n".join(said)) from exc
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
     return results

@@ -82,6 +82,11 @@ class WarmProcess:
         out = Path(self._out).read_text(errors="replace")
         return out, "" if self._err == self._out else Path(self._err).read_text(errors="replace")
 
+    def output(self) -> str:
+        """What the rank has written so far, stdout then stderr (also after it was killed)."""
+        parts = [self._out] if self._err == self._out else [self._out, self._err]
+        return "".join(Path(p).read_text(errors="replace") for p in parts if os.path.exists(p))
+
     def kill(self) -> None:
         self._process.kill()
 
