@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Protocol, runtime_checkable
 
-from .errors import CheckpointError, CollectiveError, error_from_dict
+from .errors import CheckpointError, CollectiveError, MessageTooLargeError, error_from_dict
 from .jsonio import load_json
 
 
@@ -34,8 +34,12 @@ class Collective(Protocol):
         """``src`` passes bytes; every rank (``src`` included) returns them."""
         ...
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
-        """Every rank passes bytes; ``dst`` returns them in rank order, the others None."""
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
+        """Every rank passes bytes; ``dst`` returns them in rank order, the others None.
+
+        With ``max_size``, ``dst`` MUST NOT allocate for a rank that announces more: it raises a
+        :class:`~ckptfmt.errors.MessageTooLargeError` naming that rank, after receiving the others (so that no
+        honest rank is left blocked in its send)."""
         ...
 
 
@@ -51,7 +55,21 @@ class PeerChannel(Protocol):
 
     def send(self, data: bytes, *, dst: int, tag: int) -> None: ...
 
-    def recv(self, *, src: int, tag: int) -> bytes: ...
+    def recv(self, *, src: int, tag: int, max_size: int | None = None) -> bytes:
+        """The next message from ``src`` on ``tag``. With ``max_size``, a longer announced length MUST be refused
+        (a :class:`~ckptfmt.errors.MessageTooLargeError` naming ``src``) before anything is allocated for it."""
+        ...
+
+
+def refuse_length(length: int, max_size: int | None, *, src: int, what: str) -> None:
+    """Raise when a peer announces a message longer than ``max_size`` (or a negative length): checked before
+    a receiver allocates anything for it, so one bad length header costs nothing."""
+    if length < 0:
+        raise MessageTooLargeError(f"rank {src} announced {what} of {length} bytes")
+    if max_size is not None and length > max_size:
+        raise MessageTooLargeError(
+            f"rank {src} announced {what} of {length:,} bytes; at most {max_size:,} are accepted"
+        )
 
 
 def encode_status(error: CheckpointError | None, **ok: object) -> bytes:
@@ -101,20 +119,27 @@ class ThreadCollective:
             raise CollectiveError(f"rank {src} broadcast nothing")
         return value
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
         slots = self._shared.exchange(self._rank, data)
-        return [s if s is not None else b"" for s in slots] if self._rank == dst else None
+        if self._rank != dst:
+            return None
+        out = [s if s is not None else b"" for s in slots]
+        for rank, message in enumerate(out):
+            refuse_length(len(message), max_size, src=rank, what="its part of a gather")
+        return out
 
     def send(self, data: bytes, *, dst: int, tag: int) -> None:
         self._shared.mailbox(self._rank, dst, tag).put(bytes(data))
 
-    def recv(self, *, src: int, tag: int) -> bytes:
+    def recv(self, *, src: int, tag: int, max_size: int | None = None) -> bytes:
         try:
-            return self._shared.mailbox(src, self._rank, tag).get(timeout=self._shared.timeout)
+            message = self._shared.mailbox(src, self._rank, tag).get(timeout=self._shared.timeout)
         except queue.Empty:
             raise CollectiveError(
                 f"rank {self._rank}: nothing from rank {src} (tag {tag}) within {self._shared.timeout:g} s"
             ) from None
+        refuse_length(len(message), max_size, src=src, what=f"a message (tag {tag})")
+        return message
 
     def abandon(self) -> None:
         """Simulate this rank dying: every rank waiting in a collective fails instead of hanging."""

@@ -245,6 +245,18 @@ class CollectiveError(CheckpointError):
     code = "collective"
 
 
+class MessageTooLargeError(CollectiveError):
+    """A peer announced a message longer than its receiver accepts; refused before anything was allocated."""
+
+    code = "message_too_large"
+
+
+class MalformedMessageError(CollectiveError):
+    """A peer's message does not parse or does not have the shape its receiver expects; it names the rank."""
+
+    code = "malformed_message"
+
+
 class MemoryCapacityError(CheckpointError):
     """The memory tier's slots do not fit in the memory directory (spec/memory.md MEM-9)."""
 
@@ -285,7 +297,9 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "ManifestError",
+    "MalformedMessageError",
     "MemoryCapacityError",
+    "MessageTooLargeError",
     "MissingFieldError",
     "MissingFileError",
     "ReferencedCheckpointError",

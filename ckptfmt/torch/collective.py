@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError
+from ..collective import refuse_length
+from ..errors import CollectiveError, MessageTooLargeError
 
 # (id of the user's group, timeout, purpose) -> (that group, our gloo group over its ranks). The user's group is
 # held so that its id cannot be reused by another group while the entry lives.
@@ -84,10 +85,11 @@ class TorchCollective:
             raise CollectiveError(f"rank {self._rank}: broadcast from rank {src} failed: {exc}") from exc
         return payload.numpy().tobytes()
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
         """Lengths gathered to ``dst``, then each payload sent to it point to point: only ``dst`` holds
         everything, and nobody pads to the longest message (an all-gather made every rank allocate
-        world x the longest)."""
+        world x the longest). Every length is checked before anything is allocated; a rank over ``max_size``
+        is refused after the others' payloads are in (they are not left blocked in their sends)."""
         try:
             mine = torch.tensor([len(data)], dtype=torch.int64)
             lengths = (
@@ -102,16 +104,25 @@ class TorchCollective:
                 return None
             assert lengths is not None
             out: list[bytes] = []
+            refused: MessageTooLargeError | None = None
             for rank, length in enumerate(int(t.item()) for t in lengths):
                 if rank == dst or not length:
                     out.append(data if rank == dst else b"")
                     continue
+                try:
+                    refuse_length(length, max_size, src=rank, what="its part of a gather")
+                except MessageTooLargeError as exc:
+                    refused = refused or exc
+                    out.append(b"")
+                    continue
                 buffer = torch.empty(length, dtype=torch.uint8)
                 dist.recv(buffer, self._global(rank), group=self._group)
                 out.append(buffer.numpy().tobytes())
-            return out
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"rank {self._rank}: gather to rank {dst} failed: {exc}") from exc
+        if refused is not None:
+            raise refused
+        return out
 
     def send(self, data: bytes, *, dst: int, tag: int) -> None:
         """Length, then payload, to ``dst`` (a :class:`~ckptfmt.collective.PeerChannel`)."""
@@ -123,13 +134,12 @@ class TorchCollective:
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"rank {self._rank}: send to rank {dst} failed: {exc}") from exc
 
-    def recv(self, *, src: int, tag: int) -> bytes:
+    def recv(self, *, src: int, tag: int, max_size: int | None = None) -> bytes:
         try:
             length = torch.zeros(1, dtype=torch.int64)
             dist.recv(length, self._global(src), group=self._group, tag=tag)
             size = int(length.item())
-            if size < 0:
-                raise CollectiveError(f"rank {self._rank}: rank {src} announced a message of {size} bytes")
+            refuse_length(size, max_size, src=src, what=f"a message (tag {tag})")  # before allocating it
             buffer = torch.empty(size, dtype=torch.uint8)
             if size:
                 dist.recv(buffer, self._global(src), group=self._group, tag=tag)
