@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from .errors import CheckpointError, CheckpointExistsError, CheckpointLockedError
-from .lock import WriterLock, read_lock
+from .errors import CheckpointError, CheckpointExistsError, CheckpointLockedError, MissingFileError
+from .lock import MAX_LOCK_BYTES, WriterLock, read_lock, takeover_marker
 from .manifest import Manifest, checkpoint_id
 from .manifest_parse import parse_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME
@@ -50,21 +50,66 @@ class Committer:
             raise
 
     def _lock(self, *, overwrite: bool) -> None:
-        for attempt in range(2):
+        try:
+            self.store.put_exclusive(LOCK_NAME, self.holder.to_bytes())
+            return
+        except FileExistsError:
+            pass
+        current = read_lock(self.store)
+        if current is not None and current.holder_is_dead():
+            if self._take_over(current):
+                return
+            current = read_lock(self.store)  # who won the takeover, for the message
+        holder = current.holder() if current is not None else "holder unknown"
+        raise CheckpointLockedError(
+            f"another writer holds {LOCK_NAME} ({holder}); if it is dead, remove the lock (`ckpt gc`) or wait for it",
+            path=self.store.url,
+        ) from None
+
+    def _take_over(self, stale: WriterLock) -> bool:
+        """Replace the dead lock ``stale`` with ours; False when another writer holds the root or is taking it.
+
+        Deleting by name after reading the holder dead is a race: a second taker that read the same dead lock
+        would delete the first one's fresh lock, and both would write (and the loser's abort delete the
+        winner's files). So only the writer that creates ``stale``'s marker (create-only: one of them) may
+        delete it, and only while it is still ``stale``; nobody else deletes a lock that is not theirs, so
+        ``stale`` cannot change between that read and the delete. Ours is then put create-only as usual.
+        """
+        marker = takeover_marker(stale)
+        try:
+            self.store.put_exclusive(marker, self.holder.to_bytes())
+        except FileExistsError:
+            return False  # another writer is taking it over (or was killed doing so: gc removes the marker)
+        try:
+            current = read_lock(self.store)
+            if current is not None and current.nonce != stale.nonce:
+                return False  # taken over already (the marker was made again after the winner removed it)
+            if current is not None:
+                self.store.delete(LOCK_NAME)
             try:
                 self.store.put_exclusive(LOCK_NAME, self.holder.to_bytes())
-                break
             except FileExistsError:
-                current = read_lock(self.store)
-                if attempt == 0 and current is not None and current.holder_is_dead():
-                    self.store.delete(LOCK_NAME)  # a stale lock: its holder is known to be gone
-                    continue
-                holder = current.holder() if current is not None else "holder unknown"
-                raise CheckpointLockedError(
-                    f"another writer holds {LOCK_NAME} ({holder}); if it is dead, "
-                    "remove the lock (`ckpt gc`) or wait for it",
-                    path=self.store.url,
-                ) from None
+                return False  # a new writer came in between: it holds the root
+            return self._holds_lock()
+        finally:
+            # Once our lock is in place a late taker that makes the marker again finds a lock that is not
+            # ``stale``, and leaves it; a marker left by a failure here is for gc.
+            try:
+                self.store.delete(marker)
+            except CheckpointError as exc:
+                log.warning("%s: could not remove %s (%s); `ckpt gc` removes it", self.store.url, marker, exc)
+
+    def _holds_lock(self) -> bool:
+        """Whether the lock now there is ours, read back after a takeover: on a store whose create-only put is
+        not atomic another taker's put may have replaced it, and then this writer must neither write nor delete
+        the lock. A failed read fails the save, and the lock (ours, most likely) is abandoned, as abort does."""
+        try:
+            return self.store.read(LOCK_NAME, max_size=MAX_LOCK_BYTES) == self.holder.to_bytes()
+        except MissingFileError:
+            return False
+        except CheckpointError:
+            self.holder.abandon()
+            raise
 
     def _check_existing(self, overwrite: bool) -> None:
         if self.store.exists(MANIFEST_NAME):

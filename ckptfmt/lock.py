@@ -3,10 +3,15 @@
 One rule serves the writer (may it take a stale lock over?) and garbage collection (may it delete
 a root without a manifest?): a lock is dead only when its holder is known to be gone — a pid on
 this host that no longer runs, or a lock this process abandoned because storage was unreachable.
+
+Several writers may see one dead lock at once (a persist in the background and an operator's
+``ckpt rescue``). Each takes it over only through :func:`takeover_marker`, a create-only name of
+that one dead lock, so exactly one of them deletes it (commit.py ``Committer._take_over``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -111,3 +116,15 @@ def read_lock(store: Store, path: str = LOCK_NAME) -> WriterLock | None:
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
         bases = []
     return WriterLock(host=host, pid=pid, nonce=nonce, started_at=started, bases=tuple(bases))
+
+
+def takeover_marker(stale: WriterLock) -> str:
+    """The file a writer creates (create-only) before it deletes the dead lock ``stale``: one name per dead lock,
+    so of the writers that read it dead at once exactly one creates it and takes the lock over.
+
+    Named by a digest of the lock's nonce (which is untrusted text, never part of a path), in the form of the
+    lock's temp file (``..writer-lock.tmp-<12 hex>``, run.py ``writer_made``), so `ckpt gc` removes one that a
+    taker killed halfway leaves behind.
+    """
+    digest = hashlib.sha256(stale.nonce.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f".{LOCK_NAME}.tmp-{digest}"

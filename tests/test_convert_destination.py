@@ -121,3 +121,66 @@ def test_a_symlink_placed_after_the_check_is_not_written_through(tmp_path: Path)
     with pytest.raises(UnsafePathError):
         write_output(out, "model.safetensors", b"data")
     assert victim.read_bytes() == b"precious"
+
+
+# ---------------------------------------------------------------- hard links (redteam-3 finding 08)
+
+
+def _precious_link(tmp_path: Path, link: Path) -> Path:
+    """``precious.bin`` outside the destination, and ``link`` another name of its inode (as ``cp -al`` or
+    ``rsync --link-dest`` snapshot trees and dedup tools leave them)."""
+    precious = tmp_path / "precious.bin"
+    precious.write_bytes(b"precious")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.link(precious, link)
+    return precious
+
+
+def _imported_weights(tmp_path: Path, exported: Path, fmt: str) -> np.ndarray:
+    """The ``w`` an export holds, read back through its importer."""
+    back = tmp_path / "back"
+    convert(str(exported), str(back), to="ckptfmt", source_format=fmt)
+    with ckptfmt.open(str(back)) as ckpt:
+        return np.asarray(ckpt.read_tensor("weights", "w"))
+
+
+@pytest.mark.parametrize(
+    ("to", "target"),
+    [
+        ("accelerate", "model.safetensors"),
+        ("hf", "model.safetensors"),
+        ("hf-trainer", "trainer_state.json"),
+        ("hf-trainer", "model.safetensors"),
+        ("dcp", "__0_0.distcp"),
+        ("dcp", ".metadata"),
+    ],
+)
+def test_an_overwrite_replaces_a_hard_linked_name_not_its_inode(tmp_path: Path, to: str, target: str) -> None:
+    src = tmp_path / "src"
+    training_checkpoint(src)
+    dst = tmp_path / "out"
+    precious = _precious_link(tmp_path, dst / target)
+    result = run_cli("convert", str(src), str(dst), "--to", to, "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    assert precious.read_bytes() == b"precious"  # the other name of the old inode keeps its bytes
+    assert os.stat(dst / target).st_nlink == 1 and os.stat(precious).st_nlink == 1
+    assert not [
+        n for n in os.listdir(dst) if ".tmp-" in n or n.startswith(".export-staging-")
+    ]  # no temp file left behind
+    expected = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(_imported_weights(tmp_path, dst, to), expected)
+
+
+def test_a_lightning_overwrite_replaces_a_hard_linked_file_not_its_inode(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    training_checkpoint(src)
+    out = tmp_path / "out" / "last.ckpt"
+    precious = _precious_link(tmp_path, out)
+    result = run_cli("convert", str(src), str(out), "--to", "lightning", "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    assert precious.read_bytes() == b"precious"
+    assert os.stat(out).st_nlink == 1 and out.stat().st_size > len(b"precious")
+    assert not [n for n in os.listdir(out.parent) if ".tmp-" in n]
+    np.testing.assert_array_equal(
+        _imported_weights(tmp_path, out, "lightning"), np.arange(6, dtype=np.float32).reshape(2, 3)
+    )

@@ -42,6 +42,7 @@ from .dcp_metadata import (
     TensorInfo,
     parse_metadata,
 )
+from .destination import staged_directory
 from .torch_bridge import context_value, is_tensor, to_torch
 from .weights import Chunk, SourceField, SourceTensor, WeightsSource, importer
 
@@ -163,7 +164,11 @@ def export_dcp(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
         if out.is_local:
-            save(state, checkpoint_id=out.path)
+            # torch opens each ``.distcp`` with open(path, "wb"), through a hard link an old file of that name
+            # may be to a file outside: it writes into a fresh directory, whose files replace the names here
+            # (.metadata last, so it never lists data older than itself)
+            with staged_directory(out, last=METADATA_NAME) as staging:
+                save(state, checkpoint_id=staging)
         else:
             save(state, storage_writer=FsspecWriter(out.url, **dict(storage_options or {})))
     result.files = sorted(str(f).rstrip("/").rpartition("/")[2] for f in fs_call(out.url, out.fs.ls, out.path))

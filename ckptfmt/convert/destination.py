@@ -10,32 +10,36 @@ torch (DCP) would write through it, and ``--overwrite`` must never mean "overwri
 points at". Each file ckptfmt itself writes is then opened below the destination one directory at a
 time, ``O_NOFOLLOW`` at every level, so a symlink placed after the check is refused, not followed.
 The destination the user named (a directory, or the ``.ckpt`` file's directory) is followed as given.
+
+An overwrite replaces a *name*, never the file behind it: each local file is written under a temp name
+beside its final one, fsync'd, and renamed over it (as LocalStore saves), so an old file that is a hard
+link to a file outside the destination (``cp -al`` and ``rsync --link-dest`` trees, dedup tools) keeps
+its bytes there. A DCP export, which torch writes itself (``open(..., "wb")`` through any such link),
+goes into a fresh directory inside the destination, whose files are then renamed into place.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import Protocol
 
 from ..errors import StorageError, UnsafePathError
 from ..storage.base import split_path
-from ..storage.local import kind_of, walk_to_parent
+from ..storage.local import LocalOutput, LocalStore, kind_of, open_dir_below, scan_dir, walk_to_parent
 from .base import Location, fs_call, refuse_existing, refuse_links
 
-_WRITE_FLAGS = (
-    os.O_WRONLY
-    | os.O_CREAT
-    | os.O_TRUNC
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-    | os.O_NONBLOCK  # a FIFO fails to open (ENXIO) instead of blocking until a reader comes
-    | getattr(os, "O_NOCTTY", 0)
-)
+_STAGING_PREFIX = ".export-staging-"  # the fresh directory a DCP export is written into (staged_directory)
+
+
+class Sink(Protocol):
+    """What :func:`open_output` yields: a file being written."""
+
+    def write(self, data: bytes | memoryview, /) -> object: ...
 
 
 def check_name(out: Location, name: object) -> str:
@@ -61,16 +65,22 @@ def prepare_directory(out: Location, names: Iterable[str], *, overwrite: bool) -
 
 
 @contextmanager
-def open_output(out: Location, name: str) -> Iterator[BinaryIO]:
-    """The file ``name`` below the destination ``out``, opened to be written (created or truncated)."""
+def open_output(out: Location, name: str) -> Iterator[Sink]:
+    """The file ``name`` below the destination ``out``, to be written; it replaces the old file of that name when
+    the block ends without an error (locally: a new file renamed over the name, durable before it is visible)."""
     target = out.join(check_name(out, name))
-    if target.root is None:
+    if target.root is None:  # an object store's PUT replaces the object whole: no link to write through
         with fs_call(target.url, out.fs.open, target.path, "wb") as f:
             yield f
         return
-    fd = _open_local(target.root, target.rel, target.url)
-    with os.fdopen(fd, "wb") as f:
-        yield f
+    output = _create_local(target.root, target.rel, target.url)
+    try:
+        yield output
+    except BaseException:
+        output.abort()
+        raise
+    output.commit()  # fsync, then rename over the old name (which keeps its inode's other names intact)
+    LocalStore(target.root, direct_io=False).sync_dirs([target.rel])
 
 
 def write_output(out: Location, name: str, data: bytes) -> None:
@@ -83,9 +93,22 @@ def write_output(out: Location, name: str, data: bytes) -> None:
         f.write(data)
 
 
-def _open_local(root: str, rel: str, url: str) -> int:
-    """A write fd of the regular file ``rel`` below ``root``: no symlink followed at any level, directories
-    made as needed, a FIFO, socket or device refused."""
+def _refuse_odd(dir_fd: int, leaf: str, url: str) -> None:
+    """Refuse a symlink, directory or special file at ``leaf``: the rename would replace a symlink rather than
+    write through it, but an export names what it finds in its way rather than silently removing it."""
+    try:
+        mode = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StorageError(f"cannot inspect: {exc}", path=url) from exc
+    if not stat.S_ISREG(mode):
+        raise UnsafePathError(f"is {kind_of(mode)}; exports write through nothing", path=url)
+
+
+def _create_local(root: str, rel: str, url: str) -> LocalOutput:
+    """A temp file beside ``rel`` below ``root`` (no symlink followed at any level, directories made as needed),
+    renamed over ``rel`` on commit; a symlink, directory or special file at ``rel`` refused."""
     try:
         dir_fd, leaf = walk_to_parent(root, rel, create=True)
     except UnsafePathError as exc:
@@ -93,23 +116,60 @@ def _open_local(root: str, rel: str, url: str) -> int:
     except StorageError as exc:
         raise StorageError(exc.message, path=url) from exc
     try:
-        fd = os.open(leaf, _WRITE_FLAGS, 0o644, dir_fd=dir_fd)
+        _refuse_odd(dir_fd, leaf, url)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    try:
+        return LocalOutput(dir_fd, leaf, rel, direct=False)  # owns dir_fd from here, closed even on failure
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-            try:
-                what = kind_of(os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-            except OSError:
-                what = "not a regular file"
-            raise UnsafePathError(f"is {what}; exports write through nothing", path=url) from exc
-        raise StorageError(f"cannot open for writing: {exc}", path=url) from exc
+        raise StorageError(f"cannot create a temp file: {exc}", path=url) from exc
+
+
+@contextmanager
+def staged_directory(out: Location, *, last: str) -> Iterator[str]:
+    """A fresh, empty local directory inside ``out`` for a writer that opens its own files (torch's DCP writer);
+    when the block ends without an error, each of its files is renamed over its name in ``out`` (``last`` after
+    the others), then ``out`` is fsync'd. The directory is removed either way.
+
+    The writer must make its files durable itself (torch fsyncs each one); what is renamed is never truncated,
+    so an old file of the same name that is a hard link to a file outside keeps its bytes there.
+    """
+    assert out.root is not None, "a local destination"
+    refuse_links(out)
+    fs_call(out.url, out.fs.makedirs, out.path, exist_ok=True)
+    try:
+        staging = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out.path)
+    except OSError as exc:
+        raise StorageError(f"cannot make a staging directory: {exc}", path=out.url) from exc
+    try:
+        yield staging
+        _publish(out, os.path.basename(staging), last)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # our own fresh directory; rmtree follows no symlink
+
+
+def _publish(out: Location, staging: str, last: str) -> None:
+    """Rename every file of ``out``'s subdirectory ``staging`` over its name in ``out`` (``last`` last)."""
+    assert out.root is not None
+    try:
+        dir_fd = open_dir_below(out.root, out.rel)
+    except StorageError as exc:
+        raise StorageError(exc.message, path=out.url) from exc
+    try:
+        src_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            entries = scan_dir(src_fd)
+            for name, st in sorted(entries, key=lambda e: (e[0] == last, e[0])):
+                url = out.join(name).url
+                if not stat.S_ISREG(st.st_mode):
+                    raise StorageError(f"the writer made {kind_of(st.st_mode)} here; exports write files", path=url)
+                _refuse_odd(dir_fd, name, url)
+                os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dir_fd)
+        finally:
+            os.close(src_fd)
+        os.fsync(dir_fd)
+    except OSError as exc:
+        raise StorageError(f"cannot move the written files into place: {exc}", path=out.url) from exc
     finally:
         os.close(dir_fd)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnsafePathError(f"is {kind_of(mode)}; exports write regular files only", path=url)
-        fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # clears O_NONBLOCK
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd

@@ -210,7 +210,8 @@ def optimizer_states(ckpt: Any, contexts: Mapping[str, Mapping[str, Any]]) -> li
 
 
 def write_files(out: Location, files: Mapping[str, bytes], result: ConvertResult, progress: Progress | None) -> None:
-    """Write an export's files into ``out`` (through no symlink), listing each in ``result``."""
+    """Write an export's files into ``out``, each a new file renamed over its name (through no symlink or hard
+    link), listing each in ``result``."""
     if progress is not None:
         progress.start(sum(len(b) for b in files.values()))
     for name, data in files.items():
