@@ -132,7 +132,9 @@ class Checkpoint:
 
         With ``mmap``, a tensor stored as one raw chunk in a store that can map files (a local disk) is returned
         as a read-only array mapped onto the data file (zero-copy: pages are read when touched; with ``verify``
-        the digest check touches them all now). Any other tensor is read as without ``mmap``.
+        the digest check touches them all now). Any other tensor is read as without ``mmap``, and so is every
+        tensor of a memory slot, whose files are rewritten in place: a map would show the next snapshot's bytes
+        after their digest check, or fault (SIGBUS) once the file is cut shorter (storage/slot.py).
         """
         record = self.tensor(field, name)
         if mmap:

@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from ckptfmt.tier import default_memory_dir
 from ckptfmt.torch import CheckpointManager, DatasetIdentity, ResumableDataLoader, prewarm
 
 
@@ -329,7 +330,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, metavar="R", help="with --kill-after-checkpoint-step: only rank R dies")
     p.add_argument("--samples-out", metavar="PREFIX", help="write each rank's sample indices to PREFIX.rank<R>.json")
     p.add_argument("--memory-every", type=int, default=0, help="a memory snapshot every this many steps (0: off)")
-    p.add_argument("--memory-dir", help="the memory tier's directory (default $CKPTFMT_MEMORY_DIR or /dev/shm/ckptfmt)")
+    p.add_argument("--memory-dir", help="the memory tier's directory (default $CKPTFMT_MEMORY_DIR, else per user)")
     p.add_argument("--kill-at-step", type=int, metavar="N", help="SIGKILL self once step N's memory snapshot is in")
     p.add_argument("--replicate", action="store_true", help="copy each memory snapshot to a rank on another node")
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds before a silent peer fails a copy")
@@ -377,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.node_of_rank:
         node = args.node_of_rank.split(",")[rank]
         os.environ["CKPTFMT_NODE_KEY"] = node
-        memory_dir = os.path.join(memory_dir or "/dev/shm/ckptfmt", node)
+        memory_dir = os.path.join(memory_dir or default_memory_dir(), node)
     mgr = CheckpointManager(
         args.run_dir,
         keep_last=args.keep_last,

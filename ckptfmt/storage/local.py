@@ -37,6 +37,9 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
 _ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC  # the root may be reached through a symlink
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
 MAX_DEPTH = 256  # directory levels list() and remove_empty_dirs() descend; far beyond any checkpoint layout
+# In a checkpoint's root: its data files are rewritten in place (a memory slot, storage/slot.py), so none is mapped.
+# A leading dot: readers ignore it (LAY-4), whichever store opens the directory.
+IN_PLACE_MARKER = ".ckptfmt-in-place"
 
 
 def kind_of(mode: int) -> str:
@@ -521,13 +524,23 @@ class LocalStore(Store):
             os.close(fd)
 
     def mapping(self, path: str) -> mmap.mmap | None:
+        """A read-only map of the file; None for an empty file, and for every file of a root that holds
+        :data:`IN_PLACE_MARKER`: a shared map shows a rewrite in place (bytes changed after their digest was
+        checked), and a file cut shorter under it kills the process with SIGBUS. Checked after mapping, not
+        before: a writer makes the marker before its first rewrite in place, and never rewrites in place a file
+        older than the marker (:class:`~ckptfmt.storage.slot.SlotStore`), so a marker still absent once the map
+        exists means this file is never rewritten under it."""
         fd = self._open_read(path)
         try:
             if os.fstat(fd).st_size == 0:
                 return None
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
+        if os.path.lexists(self.root / IN_PLACE_MARKER):
+            mapped.close()
+            return None
+        return mapped
 
     def size(self, path: str) -> int:
         fd = self._open_read(path)

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -22,21 +23,37 @@ from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore
-from .binding import SlotBinding, run_dir_key
+from .binding import SlotBinding, normalize_run_url, run_dir_key
 
 log = logging.getLogger("ckptfmt")
 
-DEFAULT_MEMORY_DIR = "/dev/shm/ckptfmt"
+SHM_DIR = "/dev/shm"
 MEMORY_DIR_ENV = "CKPTFMT_MEMORY_DIR"
 SLOT_PREFIX = "slot-"
+PEER_PREFIX = "peer-"  # ``peer-<source rank>-<k>``: a replica another node sent here (replica.py)
 MAX_SLOTS = 16
 # What a slot holds besides its tensors (manifest, context blobs, safetensors headers): a margin per slot
 SLOT_OVERHEAD = 4 << 20
 SlotStatus = Literal["committed", "torn", "empty", "invalid"]
 
 
+def _euid() -> int | None:
+    return os.geteuid() if hasattr(os, "geteuid") else None
+
+
+def _per_user(base: str) -> str:
+    uid = _euid()
+    return os.path.join(base, "ckptfmt" if uid is None else f"ckptfmt-{uid}")
+
+
+# This user's, made 0700: in a directory every user may write (/dev/shm), a shared name could be another user's
+# first, who could then rename this user's slots away or plant the run's directory to refuse its start.
+DEFAULT_MEMORY_DIR = _per_user(SHM_DIR)
+
+
 def default_memory_dir() -> str:
-    return os.environ.get(MEMORY_DIR_ENV) or DEFAULT_MEMORY_DIR
+    """``$CKPTFMT_MEMORY_DIR``, else ``/dev/shm/ckptfmt-<uid>`` (the effective uid of this process)."""
+    return os.environ.get(MEMORY_DIR_ENV) or _per_user(SHM_DIR)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +143,78 @@ def private_dir_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+def _others_may_write(st: os.stat_result) -> bool:
+    """Whether a user other than this one (root aside) may add, remove or rename entries of this directory."""
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)) or st.st_uid not in (0, _euid())
+
+
+def memory_dir_refusal(path: str | os.PathLike[str]) -> UnsafePathError | None:
+    """Why ``path`` may not be a memory directory (an error naming it), or None; absent components are fine.
+
+    Each existing component of the path, as given and as resolved, whose parent another user may write
+    (``/dev/shm``, ``/tmp``: world-writable) must be a directory, not a symlink, and owned by this user (or
+    by root, above the memory directory itself): another user's directory there lets its owner rename this
+    user's run directory and slots away (a restore and ``ckpt rescue`` then find nothing), or plant a run's
+    directory so that its start is refused; a symlink there sends the snapshots wherever its owner chose.
+    """
+    given = os.path.abspath(os.fspath(path))
+    for candidate in dict.fromkeys((given, os.path.realpath(given))):
+        refusal = _walk_refusal(candidate, given)
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def _walk_refusal(path: str, given: str) -> UnsafePathError | None:
+    parts = Path(path).parts
+    current = Path(parts[0])
+    try:
+        parent = os.stat(current)
+    except OSError as exc:
+        return UnsafePathError(f"memory directory refused: {current} cannot be examined: {exc}", path=given)
+    uid = _euid()
+    for i, name in enumerate(parts[1:], start=2):
+        child = current / name
+        try:
+            st = os.lstat(child)
+        except FileNotFoundError:
+            return None  # made by MemoryTier.ensure, 0700
+        except OSError as exc:
+            return UnsafePathError(f"memory directory refused: {child} cannot be examined: {exc}", path=given)
+        last = i == len(parts)
+        if _others_may_write(parent):
+            why = f"in {current}, which other users may write"
+            if stat.S_ISLNK(st.st_mode):
+                return UnsafePathError(
+                    f"memory directory refused: {child} is a symlink {why}", problem="symlink", path=given
+                )
+            if uid is not None and st.st_uid != uid and (last or st.st_uid != 0):
+                return UnsafePathError(
+                    f"memory directory refused: {child} is owned by uid {st.st_uid}, not by this user "
+                    f"({uid}), {why}; use a directory of your own (memory_dir= or ${MEMORY_DIR_ENV}), "
+                    f"e.g. the default {_per_user(SHM_DIR)}",
+                    path=given,
+                )
+        try:
+            parent = os.stat(child)  # a symlink in a directory only trusted users write: where it leads
+        except OSError as exc:
+            return UnsafePathError(f"memory directory refused: {child} cannot be examined: {exc}", path=given)
+        if not stat.S_ISDIR(parent.st_mode):
+            return UnsafePathError(
+                f"memory directory refused: {child} is not a directory", problem="file_kind", path=given
+            )
+        current = child
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerCopy:
+    """A ``peer-<source>-<k>`` directory of the run as found: the rank that sent it, and its state."""
+
+    source: int
+    slot: Slot  # the directory read as a slot: status, size, binding
+
+
 class MemoryTier:
     """The slot ring of one run directory on this node.
 
@@ -139,6 +228,7 @@ class MemoryTier:
                 f"memory_slots must be between 2 and {MAX_SLOTS}: one slot is rewritten while another holds"
             )
         self.memory_dir = Path(os.path.abspath(os.fspath(memory_dir or default_memory_dir())))
+        self.run_url = run_url
         self.root = self.memory_dir / run_dir_key(run_url)
         self.slot_count = slots
 
@@ -149,12 +239,27 @@ class MemoryTier:
         return [read_slot(self.slot_path(i), i) for i in range(self.slot_count)]
 
     def ensure(self) -> None:
-        """Make the run's directory (the memory directory itself must exist or be creatable)."""
-        try:
-            self.memory_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.root.mkdir(exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise MemoryCapacityError(f"cannot create the memory directory: {exc}", path=str(self.root)) from exc
+        """Make the run's directory, and the memory directory (and its missing parents) 0700 where absent.
+
+        UnsafePathError when the memory directory, or one of its parents, is a symlink or another user's in
+        a directory that others may write (:func:`memory_dir_refusal`), or when the run's directory is not
+        this user's own (:func:`private_dir_problem`)."""
+        for check in (False, True):  # again once made: another user may have made a component first
+            refusal = memory_dir_refusal(self.memory_dir)
+            if refusal is not None:
+                raise refusal
+            if check:
+                break
+            try:
+                for directory in (*reversed(self.memory_dir.parents), self.memory_dir):
+                    if not os.path.lexists(directory):
+                        try:
+                            os.mkdir(directory, mode=0o700)
+                        except FileExistsError:
+                            pass  # another rank of the node made it first
+                self.root.mkdir(exist_ok=True, mode=0o700)
+            except OSError as exc:
+                raise MemoryCapacityError(f"cannot create the memory directory: {exc}", path=str(self.root)) from exc
         problem = private_dir_problem(self.root)
         if problem is not None:
             raise UnsafePathError(problem, path=str(self.root))
@@ -173,19 +278,73 @@ class MemoryTier:
             raise UnsafePathError(problem, path=path)
         return path
 
-    def check_capacity(self, per_slot: int) -> None:
+    def peer_copies(self) -> list[PeerCopy]:
+        """The run's ``peer-<source>-<k>`` directories that are this user's own (others are never read)."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            source, _, k = name.removeprefix(PEER_PREFIX).partition("-")
+            if not (name.startswith(PEER_PREFIX) and source.isdigit() and k.isdigit()):
+                continue
+            path = self.root / name
+            if private_dir_problem(path) is None:
+                out.append(PeerCopy(source=int(source), slot=read_slot(path, int(k))))
+        return out
+
+    def _unusable(self, copy: PeerCopy) -> bool:
+        """Whether no restore and no rescue of this run would take the copy: it has no manifest (MEM-10), or it
+        is bound to another run directory (MEM-4, MEM-8)."""
+        slot = copy.slot
+        if slot.status in ("empty", "torn"):
+            return True
+        if slot.status == "committed" and slot.binding is not None:
+            return normalize_run_url(slot.binding.run_dir) != normalize_run_url(self.run_url)
+        return False
+
+    def check_capacity(self, per_slot: int, *, peer_sources: Collection[int] | None = None) -> None:
         """Refuse, before writing anything, slots that do not fit: ``per_slot`` is what one snapshot of this
-        node's ranks takes; what this run's slots hold already is reused, so it counts as free."""
+        node's ranks takes; what this run's slots hold already is reused, so it counts as free.
+
+        Peer copies are counted too. ``peer_sources``, the ranks whose replicas any rank of this node receives
+        in this job, or None where not known: their copies are rewritten in place by its rounds, so they count as
+        free, as slots do. Where it is given, a copy of another rank that no restore would take (no manifest,
+        or another run directory's) is deleted: no round of this job writes there. Every other copy is kept,
+        a stale one too (of a rank that no longer sends here, after a change of world or placement): it may
+        be the only copy of another node's newest snapshot. What they hold is named in the refusal.
+        """
         self.ensure()
+        copies = self.peer_copies()
+        current = set(peer_sources) if peer_sources is not None else set()
+        reclaimed = 0
+        kept: list[PeerCopy] = []
+        for copy in copies:
+            if peer_sources is not None and copy.source not in current and self._unusable(copy):
+                log.info("memory tier: removing %s (%s): no restore would take it", copy.slot.path, copy.slot.status)
+                reclaimed += copy.slot.size
+                shutil.rmtree(copy.slot.path, ignore_errors=True)  # ours (peer_copies checked it); follows no link
+            else:
+                kept.append(copy)
         usage = shutil.disk_usage(self.memory_dir)
         held = sum(s.size for s in self.slots())
+        reused = sum(c.slot.size for c in kept if c.source in current)
         need = self.slot_count * (per_slot + SLOT_OVERHEAD)
-        if need > usage.free + held:
+        if need > usage.free + held + reused:
+            holds = f"this run's slots hold {_mib(held)}"
+            if kept:
+                holds += f", its peer copies {_mib(sum(c.slot.size for c in kept))}"
+                stale = sum(c.slot.size for c in kept if c.source not in current)
+                if peer_sources is not None and stale:
+                    holds += f" ({_mib(stale)} of ranks that send none here now: kept, a restore may need them)"
+            if reclaimed:
+                holds += f"; {_mib(reclaimed)} of copies no restore would take were removed"
             raise MemoryCapacityError(
                 f"{self.slot_count} memory slots of {_mib(per_slot + SLOT_OVERHEAD)} need {_mib(need)}, "
-                f"but {self.memory_dir} has {_mib(usage.free)} free (of {_mib(usage.total)}; this run's slots hold "
-                f"{_mib(held)}): give memory_dir= (or ${MEMORY_DIR_ENV}) a larger tmpfs, e.g. `docker run "
-                "--shm-size`, use memory_slots=2, or turn the memory tier off (memory_every=0)",
+                f"but {self.memory_dir} has {_mib(usage.free)} free (of {_mib(usage.total)}; {holds}): give "
+                f"memory_dir= (or ${MEMORY_DIR_ENV}) a larger tmpfs, e.g. `docker run --shm-size`, use "
+                "memory_slots=2, or turn the memory tier off (memory_every=0)",
                 path=str(self.memory_dir),
             )
 
