@@ -21,6 +21,7 @@ goes into a fresh directory inside the destination, whose files are then renamed
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -30,7 +31,8 @@ from typing import Protocol
 
 from ..errors import StorageError, UnsafePathError
 from ..storage.base import split_path
-from ..storage.local import LocalOutput, LocalStore, kind_of, open_dir_below, scan_dir, walk_to_parent
+from ..storage.direct import write_all
+from ..storage.local import LocalStore, kind_of, open_dir_below, scan_dir, walk_to_parent
 from .base import Location, fs_call, refuse_existing, refuse_links
 
 _STAGING_PREFIX = ".export-staging-"  # the fresh directory a DCP export is written into (staged_directory)
@@ -106,7 +108,62 @@ def _refuse_odd(dir_fd: int, leaf: str, url: str) -> None:
         raise UnsafePathError(f"is {kind_of(mode)}; exports write through nothing", path=url)
 
 
-def _create_local(root: str, rel: str, url: str) -> LocalOutput:
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class _ReplacingFile:
+    """A temp file ``.<leaf>.tmp-<12 hex>`` beside ``leaf`` in the directory held by ``dir_fd`` (owned: closed on
+    commit or abort), written straight through, fsync'd and renamed over ``leaf`` on commit. No staging buffers:
+    an export writes each byte once and its memory must grow with a tensor, not with two 32 MiB buffers a file."""
+
+    def __init__(self, dir_fd: int, leaf: str, url: str) -> None:
+        self._dir_fd: int | None = dir_fd
+        self._leaf = leaf
+        self._url = url
+        self._tmp = f".{leaf}.tmp-{secrets.token_hex(6)}"
+        try:
+            self._fd: int | None = os.open(self._tmp, _CREATE, 0o644, dir_fd=dir_fd)
+        except OSError as exc:
+            os.close(dir_fd)
+            self._dir_fd = None
+            raise StorageError(f"cannot create a temp file: {exc}", path=url) from exc
+
+    def write(self, data: bytes | memoryview, /) -> None:
+        assert self._fd is not None, "write after commit/abort"
+        try:
+            write_all(self._fd, memoryview(data).cast("B"))
+        except OSError as exc:
+            self.abort()
+            raise StorageError(f"write failed: {exc}", path=self._url) from exc
+
+    def commit(self) -> None:
+        assert self._fd is not None and self._dir_fd is not None, "commit after commit/abort"
+        try:
+            os.fsync(self._fd)  # durable before it is visible under the name
+            os.close(self._fd)
+            self._fd = None
+            # replaces the old entry (never truncates it: its other hard links keep their bytes)
+            os.rename(self._tmp, self._leaf, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except OSError as exc:
+            self.abort()
+            raise StorageError(f"could not write: {exc}", path=self._url) from exc
+        os.close(self._dir_fd)
+        self._dir_fd = None
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._dir_fd is not None:
+            try:
+                os.unlink(self._tmp, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+
+def _create_local(root: str, rel: str, url: str) -> _ReplacingFile:
     """A temp file beside ``rel`` below ``root`` (no symlink followed at any level, directories made as needed),
     renamed over ``rel`` on commit; a symlink, directory or special file at ``rel`` refused."""
     try:
@@ -120,10 +177,7 @@ def _create_local(root: str, rel: str, url: str) -> LocalOutput:
     except BaseException:
         os.close(dir_fd)
         raise
-    try:
-        return LocalOutput(dir_fd, leaf, rel, direct=False)  # owns dir_fd from here, closed even on failure
-    except OSError as exc:
-        raise StorageError(f"cannot create a temp file: {exc}", path=url) from exc
+    return _ReplacingFile(dir_fd, leaf, url)  # owns dir_fd from here, closed even on failure
 
 
 @contextmanager
