@@ -263,6 +263,15 @@ class MemoryCapacityError(CheckpointError):
     code = "memory_capacity"
 
 
+class SourceChangedError(CheckpointError, RuntimeError):
+    """A parameter or optimizer state tensor changed in place while a snapshot of it was being copied (an async
+    save, a memory snapshot): the snapshot would mix two training states under valid digests, so it is refused and
+    not committed. Between a save and the next ``optimizer.step()`` only ``step()`` may change them. Names the field
+    and tensor. A ``RuntimeError`` as torch's own "modified by an inplace operation" is."""
+
+    code = "source_changed"
+
+
 def error_from_dict(doc: dict[str, str]) -> CheckpointError:
     """Rebuild an error from :meth:`CheckpointError.to_dict` (how one rank's failure reaches every rank)."""
     classes: dict[str, type[CheckpointError]] = {}
@@ -306,6 +315,7 @@ __all__ = [
     "ResumeMismatchError",
     "SafetensorsHeaderError",
     "SizeMismatchError",
+    "SourceChangedError",
     "SourceFormatError",
     "StorageError",
     "UnsafePathError",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ..arrays import as_array, to_torch, torchify
 from ..canonical import config_hash, config_to_dict
 from ..collective import Collective
 from ..context import decode, encode
-from ..errors import ContextError, UsageError
+from ..errors import ContextError, SourceChangedError, UsageError
 from ..writer import COORDINATOR, CheckpointWriter
 from . import rng
 from .in_place import Checked
@@ -40,6 +40,46 @@ from .sharding import (
 Stored = np.ndarray[Any, Any] | LocalShard | TargetShard | Checked
 
 
+class Source(NamedTuple):
+    """A deferred tensor's live tensor as capture found it: what tells that it changed before its copy was done.
+    (A tuple: one is made per tensor on the trainer's thread, and a tuple is made fastest.)"""
+
+    field: str
+    name: str
+    live: torch.Tensor  # a parameter (whose ``.data`` a trainer may replace) or an optimizer state tensor
+    captured: torch.Tensor  # what the snapshot copies: a detached alias of ``live`` at capture
+    versions: tuple[int, ...]  # _versions(live) at capture
+
+    def changed(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(versions at capture, now) when the captured data was changed in place since; else None."""
+        now = _versions(self.live)
+        if now == self.versions:
+            return None
+        if _local(self.live).data_ptr() != _local(self.captured).data_ptr():
+            # ``p.data = x`` gave the parameter other storage, which took over its version counter: what moved is
+            # the new storage's, while the snapshot holds the captured one, as it was at capture
+            return None
+        return self.versions, now
+
+
+def _source(field: str, name: str, live: torch.Tensor, captured: torch.Tensor) -> Source:
+    return Source(field, name, live, captured, _versions(live))
+
+
+def _versions(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The version counters that an in-place change of ``tensor`` bumps (views share their base's).
+
+    A DTensor's own counter moves with ops on the DTensor, its local tensor's with ops on ``to_local()``: neither
+    sees the other's. An inference tensor has none: it is not checked. Nor is a change made through ``.data``,
+    which by design bumps no counter."""
+    if tensor.is_inference():
+        return ()
+    if is_dtensor(tensor):
+        with torch.no_grad():  # to_local() is then an alias of the live local tensor, sharing its counter
+            return (tensor._version, _local(tensor)._version)
+    return (tensor._version,)
+
+
 @dataclass(slots=True)
 class Snapshot:
     """Everything one checkpoint holds, in host memory: field -> tensors, field -> context.
@@ -47,11 +87,16 @@ class Snapshot:
     ``deferred`` lists tensors not copied yet (field, name, live tensor): parameters and optimizer
     state, which only ``optimizer.step()`` changes, so an async save may copy them while the next
     forward and backward run. :meth:`materialize` copies them.
+
+    ``sources`` records their version counters at capture. Once their bytes are taken (copied, or, as views,
+    written), :meth:`check_sources` refuses a snapshot of which one changed in place meanwhile (an EMA update or a
+    schedule-free ``optimizer.eval()`` between a save and the next step): a torn snapshot is never committed.
     """
 
     tensors: dict[str, dict[str, Stored]] = field(default_factory=dict)
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     deferred: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)  # the deferred tensors' live tensors, not checked yet
     copy_in: Callable[[], None] | None = None  # fills the Checked tensors: the last step of applying a load
     forget: Callable[[], None] | None = None  # drops what was checked for copy_in from the page cache
 
@@ -63,12 +108,36 @@ class Snapshot:
 
     def materialize(self, buffers: HostBuffers | None) -> None:
         """Take the deferred tensors: copies into ``buffers``, or (None) views of CPU tensors as they are,
-        which the caller must then write before the next ``optimizer.step()`` changes them."""
+        which the caller must then write before the next ``optimizer.step()`` changes them.
+
+        With ``buffers``, raises :class:`~ckptfmt.errors.SourceChangedError` when a tensor changed in place since
+        capture; views are checked by :func:`stage_snapshot`, once written."""
         for fname, name, tensor in self.deferred:
             self.tensors[fname][name] = _host(f"{fname}/{name}", tensor, buffers)
+        self.deferred.clear()
         if buffers is not None:
             buffers.synchronize()
-        self.deferred.clear()
+            # After the copies landed: a change made while one ran has bumped its counter by now. (On CUDA the
+            # counter moves when the op is queued, and the copies wait for everything queued before them.)
+            self.check_sources()
+
+    def check_sources(self) -> None:
+        """Raise :class:`~ckptfmt.errors.SourceChangedError` naming the first tensor (and how many) that changed in
+        place since capture; call it once the deferred tensors' bytes are taken, before the next step may run."""
+        changed = [(source, moved) for source in self.sources if (moved := source.changed()) is not None]
+        self.sources.clear()
+        if not changed:
+            return
+        source, (then, now) = changed[0]
+        others = f"; {len(changed) - 1} more tensors changed too" if len(changed) > 1 else ""
+        raise SourceChangedError(
+            f"changed in place while the snapshot was copied (version {_counter(then)} at capture, {_counter(now)} "
+            f"after{others}): the snapshot would mix two training states, so it is refused, not committed. Between a "
+            "save or memory snapshot and the next optimizer.step(), change parameters and optimizer state only in "
+            "step(), or wait for the save first (CheckpointManager.wait, wait_memory)",
+            field=source.field,
+            tensor=source.name,
+        )
 
 
 class HostBuffers:
@@ -111,6 +180,10 @@ class HostBuffers:
             self._event.record(self._stream)
             self._event.synchronize()
             self._event = None
+
+
+def _counter(versions: tuple[int, ...]) -> str:
+    return "/".join(str(v) for v in versions)
 
 
 def _host(key: str, tensor: torch.Tensor, buffers: HostBuffers | None) -> Stored:
@@ -159,7 +232,7 @@ def capture_model(
     With ``defer``, parameters are left for :meth:`Snapshot.materialize`; buffers (e.g. batch-norm
     statistics, which the next forward pass updates) are copied now.
     """
-    params = {_local(p).data_ptr() for p in model.parameters()} if defer else set()
+    params = {_local(p).data_ptr(): p for p in model.parameters()} if defer else {}
     tensors: dict[str, Stored] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
@@ -178,6 +251,7 @@ def capture_model(
         seen[ident] = name
         if local.data_ptr() in params and local.numel():
             snap.deferred.append(("weights", name, tensor))
+            snap.sources.append(_source("weights", name, params[local.data_ptr()], tensor))
             tensors[name] = _NOT_YET
         else:
             tensors[name] = _host(f"weights/{name}", tensor, buffers)
@@ -234,7 +308,11 @@ def capture_optimizer(
 
     def stored(name: str, tensor: torch.Tensor) -> Stored:
         if defer:
-            snap.deferred.append(("optimizer", name, tensor))
+            # detached, as the model's state_dict gives parameters: a later ``.data = x`` on the live tensor leaves
+            # the captured storage to the copy
+            captured = tensor.detach()
+            snap.deferred.append(("optimizer", name, captured))
+            snap.sources.append(_source("optimizer", name, tensor, captured))
             return _NOT_YET
         return _host(f"optimizer/{name}", tensor, buffers)
 
@@ -369,7 +447,8 @@ def stage_snapshot(writer: CheckpointWriter, snap: Snapshot) -> None:
     """Hand every field of ``snap`` to ``writer`` (not committed; on failure the writer is aborted).
 
     After ``writer.flush()`` returns, the snapshot's arrays are no longer needed: a snapshot of live
-    tensors (views) may let the trainer change them from then on.
+    tensors (views) may let the trainer change them from then on. Such a snapshot is flushed here and checked
+    (:meth:`Snapshot.check_sources`): a view changed in place while it was written fails the save.
     """
     if snap.deferred:
         raise UsageError("the snapshot has tensors not copied yet: call materialize() first")
@@ -393,6 +472,9 @@ def stage_snapshot(writer: CheckpointWriter, snap: Snapshot) -> None:
         if writer.is_coordinator:
             for name, context in snap.contexts.items():
                 writer.write_context(name, context)
+        if snap.sources:  # views of live tensors: their bytes are taken once written
+            writer.flush()
+            snap.check_sources()
     except BaseException:
         writer.abort()
         raise
