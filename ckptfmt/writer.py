@@ -536,7 +536,14 @@ class CheckpointWriter:
                 ranks = [r for r, s in enumerate(self.store_of_rank) if s == mine_store]
                 local = [_files_of(r, merged["files"]) for r in ranks]
                 _check_visible(self.store, local, leader=self.rank)
-                committed = self._committer.commit(manifest, [f.path for r in local for f in r.files])
+                written = [f.path for r in local for f in r.files]
+                # A file of this checkpoint that another store holds now, left here by an earlier save with another
+                # placement (MEM-9): the manifest lists it, at its size, but its bytes are stale. Deleted before the
+                # commit, so that no reader of this store ever counts it.
+                elsewhere = {f.path for f in manifest.files} - set(written)
+                for path in sorted(self._committer.old_files.keys() & elsewhere):
+                    self.store.delete(path)
+                committed = self._committer.commit(manifest, written)
             except CheckpointError as exc:
                 error = exc
                 self._committer.abort([])  # the lock only: the data files stay for gc or the next rewrite

@@ -33,8 +33,8 @@ class Wrapped:
     def world_size(self) -> int:
         return self.inner.world_size
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
-        return self.inner.gather(data, dst=dst)
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
+        return self.inner.gather(data, dst=dst, max_size=max_size)
 
     def broadcast(self, data: bytes | None, *, src: int) -> bytes:
         return self.inner.broadcast(data, src=src)
@@ -102,8 +102,8 @@ class SendsInstead(Wrapped):
         super().__init__(inner)
         self.payload = payload
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
-        return self.inner.gather(self.payload, dst=dst)
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
+        return self.inner.gather(self.payload, dst=dst, max_size=max_size)
 
 
 @pytest.mark.parametrize(
@@ -152,13 +152,13 @@ def test_ranks_that_do_not_share_storage_commit_nothing(tmp_path: Path) -> None:
 class LiesAboutADigest(SendsInstead):
     """A rank whose report claims another digest for its first file (its bytes are on disk as written)."""
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
         status = json.loads(data)
         result = json.loads(status["ok"]["result"])
         algorithm = result["files"][0]["digest"].partition(":")[0]
         result["files"][0]["digest"] = f"{algorithm}:" + "0" * len(result["files"][0]["digest"].partition(":")[2])
         status["ok"]["result"] = json.dumps(result)
-        return self.inner.gather(json.dumps(status).encode(), dst=dst)
+        return self.inner.gather(json.dumps(status).encode(), dst=dst, max_size=max_size)
 
 
 def test_a_rank_reporting_a_false_digest_is_caught_at_commit(tmp_path: Path) -> None:

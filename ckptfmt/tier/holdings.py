@@ -11,11 +11,12 @@ spread over the holders, and by what a file is (checkpoint id and path), never b
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MalformedMessageError
 from ..manifest import Manifest, checkpoint_id
 from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
@@ -26,8 +27,14 @@ from .nodes import NodeMap
 from .ring import MemoryTier, private_dir_problem
 
 HoldingKind = Literal["slot", "peer", "fetched"]
+HOLDING_KINDS: tuple[HoldingKind, ...] = ("slot", "peer", "fetched")
 PEER_PREFIX = "peer-"
 FETCH_PREFIX = "fetched-"
+_CHECKPOINT_ID = re.compile(r"sha256:[0-9a-f]{64}")
+_HOLDING_MEMBERS = ("node", "path", "kind", "checkpoint_id", "step", "files")
+_TRANSFER_MEMBERS = ("path", "size", "src", "source_dir", "dst")
+# the names ckptfmt/layout.py gives a rank's files
+_RANK_FILE = re.compile(r"r(?P<data>\d+)-\d+\.safetensors|context(?:\.r(?P<context>\d+))?\.msgpack")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,20 +70,97 @@ class Holding:
         }
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, object]) -> Holding:
-        files = doc["files"]
-        assert isinstance(files, Mapping)
-        kind = str(doc["kind"])
-        if kind not in ("slot", "peer", "fetched"):
-            raise ValueError(f"unknown holding kind {kind!r}")
+    def from_dict(cls, doc: object, *, rank: int | None = None) -> Holding:
+        """Parse a holding another rank sent (``rank``, named in the error): every member of its type, the checkpoint
+        id well formed, sizes and step non-negative; MalformedMessageError naming the member otherwise."""
+        who = _sender(rank)
+        record = _record(doc, _HOLDING_MEMBERS, f"{who}: a holding")
+        kind = _text(record, "kind", who)
+        if kind not in HOLDING_KINDS:
+            raise MalformedMessageError(f"{who}: holding member 'kind' is {kind[:40]!r}, not one of {HOLDING_KINDS}")
+        files = record["files"]
+        if not isinstance(files, Mapping):
+            raise MalformedMessageError(f"{who}: holding member 'files' is {type(files).__name__}, not an object")
         return cls(
-            node=str(doc["node"]),
-            path=str(doc["path"]),
-            kind=kind,  # type: ignore[arg-type]
-            checkpoint_id=str(doc["checkpoint_id"]),
-            step=int(str(doc["step"])),
-            files={str(k): int(str(v)) for k, v in files.items()},
+            node=_text(record, "node", who),
+            path=_text(record, "path", who),
+            kind=kind,
+            checkpoint_id=check_checkpoint_id(record["checkpoint_id"], who),
+            step=_count(record, "step", who),
+            files={_file_name(k, who): _count(files, k, who, "the size of file") for k in files},
         )
+
+
+def _sender(rank: int | None) -> str:
+    return f"rank {rank}" if rank is not None else "a peer"
+
+
+def check_checkpoint_id(value: object, who: str) -> str:
+    """``value`` if it is a checkpoint id (``sha256:`` and 64 lowercase hex digits), else MalformedMessageError: an
+    id names directories and files on the receiving node, so nothing else may pass as one."""
+    if not isinstance(value, str) or _CHECKPOINT_ID.fullmatch(value) is None:
+        shown = value[:80] if isinstance(value, str) else type(value).__name__
+        raise MalformedMessageError(f"{who}: {shown!r} is not a checkpoint id (sha256: and 64 hex digits)")
+    return value
+
+
+def _record(doc: object, members: tuple[str, ...], what: str) -> Mapping[str, object]:
+    if not isinstance(doc, Mapping):
+        raise MalformedMessageError(f"{what} is {type(doc).__name__}, not an object")
+    missing = [m for m in members if m not in doc]
+    if missing:
+        raise MalformedMessageError(f"{what} lacks member {missing[0]!r}")
+    extra = sorted(str(k) for k in doc if k not in members)
+    if extra:
+        raise MalformedMessageError(f"{what} has an unknown member {extra[0][:40]!r}")
+    return doc
+
+
+def _text(doc: Mapping[str, object], name: str, who: str) -> str:
+    value = doc[name]
+    if not isinstance(value, str) or not value:
+        raise MalformedMessageError(f"{who}: member {name!r} is {type(value).__name__}, not a non-empty string")
+    return value
+
+
+def _count(doc: Mapping[str, object], name: str, who: str, what: str = "member") -> int:
+    value = doc[name]
+    # bool is an int to Python, not to JSON; a count beyond int64 is no file's nor step's
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise MalformedMessageError(f"{who}: {what} {name!r} is {str(value)[:40]!r}, not a non-negative integer")
+    return value
+
+
+def _file_name(value: object, who: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise MalformedMessageError(f"{who}: a holding's file name is {type(value).__name__}, not a string")
+    return value
+
+
+def rank_of_file(path: str) -> int | None:
+    """The rank that wrote ``path``, by the reference writer's names (:mod:`ckptfmt.layout`): ``r<rank>-<seq>``
+    data files and ``context[.r<rank>].msgpack`` blobs; None for any other name."""
+    found = _RANK_FILE.fullmatch(path.rpartition("/")[2])
+    if found is None:
+        return None
+    rank = found.group("data") or found.group("context")
+    return int(rank) if rank is not None else 0
+
+
+def own_files(binding: SlotBinding, node: str, files: Mapping[str, int]) -> dict[str, int]:
+    """Of a slot's ``files``, those the snapshot's node map (``ckptfmt.memory.nodes``) puts on ``node``.
+
+    A spread slot rewritten after a change of placement (MEM-9) can keep a file an earlier snapshot's rank wrote
+    here, under a name the new manifest lists for a rank now on another node, at the same size: present, but
+    stale. It is not this node's to hold (its digest would fail on read), so it is not counted."""
+    if not binding.nodes:
+        return dict(files)  # written on one node: every file is its own
+    out: dict[str, int] = {}
+    for path, size in files.items():
+        rank = rank_of_file(path)
+        if rank is None or (rank < len(binding.nodes) and binding.nodes[rank] == node):
+            out[path] = size
+    return out
 
 
 def node_holdings(
@@ -111,6 +195,8 @@ def node_holdings(
         )
         ckpt_id = checkpoint_id(data)
         files = {p: s for p, s in present.items() if p not in (MANIFEST_NAME, LOCK_NAME)}
+        if kind == "slot":
+            files = own_files(binding, node, files)
         holdings.append(Holding(node=node, path=path, kind=kind, checkpoint_id=ckpt_id, step=binding.step, files=files))
         manifests[ckpt_id] = data
     return holdings, manifests
@@ -157,13 +243,16 @@ class Transfer:
         return {"path": self.path, "size": self.size, "src": self.src, "source_dir": self.source_dir, "dst": self.dst}
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, object]) -> Transfer:
+    def from_dict(cls, doc: object, *, rank: int | None = None) -> Transfer:
+        """Parse a transfer of a plan ``rank`` sent; MalformedMessageError naming the member otherwise."""
+        who = _sender(rank)
+        record = _record(doc, _TRANSFER_MEMBERS, f"{who}: a transfer")
         return cls(
-            path=str(doc["path"]),
-            size=int(str(doc["size"])),
-            src=int(str(doc["src"])),
-            source_dir=str(doc["source_dir"]),
-            dst=int(str(doc["dst"])),
+            path=_text(record, "path", who),
+            size=_count(record, "size", who),
+            src=_count(record, "src", who),
+            source_dir=_text(record, "source_dir", who),
+            dst=_count(record, "dst", who),
         )
 
 

@@ -20,15 +20,18 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from ..collective import Collective, decode_status, encode_status
+from ..collective import Collective
 from ..commit import Committer
+from ..decide import decide
 from ..digests import algorithm_of, format_digest, new_hasher
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
+    CollectiveError,
     DigestMismatchError,
+    MalformedMessageError,
     MissingFileError,
     SizeMismatchError,
     UnsafePathError,
@@ -36,7 +39,7 @@ from ..errors import (
 )
 from ..manifest import Manifest, checkpoint_id
 from ..manifest_parse import parse_manifest
-from ..paths import MANIFEST_NAME
+from ..paths import MANIFEST_NAME, MAX_PATH_BYTES
 from ..reader import read_manifest_bytes
 from ..run import RunDirectory, checkpoint_name
 from ..storage import Store, open_store
@@ -47,6 +50,7 @@ log = logging.getLogger("ckptfmt")
 READ_BYTES = 8 << 20  # one read request of the slot at a time
 PIECE_BYTES = 1 << 20  # hashed and written while in cache (as executor.SLICE_BYTES)
 PersistStatus = Literal["persisted", "already durable", "conflict"]
+MAX_STATUS_BYTES = 64 << 10  # a rank's checkpoint id and status in a spread persist (plus its list of files)
 
 
 class Throttle:
@@ -129,7 +133,7 @@ def _copy_file(src: Store, dst: Store, path: str, size: int, digest: str, thrott
 
 
 def persist(
-    source: str | os.PathLike[str],
+    source: str | os.PathLike[str] | Store,
     run: RunDirectory,
     *,
     step: int | None = None,
@@ -144,8 +148,12 @@ def persist(
     ``codec`` (``"zstd"``, ``"zstd:LEVEL"``): the durable copy is re-encoded with it instead (memory snapshots
     stay raw: encoding every step would cost the trainer's CPU); its checkpoint id is then its own, and its
     provenance's ``converted_from`` names the snapshot.
+
+    ``source``: a path, or a store already open (an overlay of a slot and peer copies: ``ckpt rescue``).
     """
     if codec is not None and codec != "raw":
+        if isinstance(source, Store):
+            raise UsageError("a persist re-encoded with a codec reads its source by path, not from an open store")
         return _persist_encoded(source, run, step=step, codec=codec, update_latest=update_latest)
     throttle = throttle or Throttle()
     started = time.perf_counter()
@@ -205,11 +213,11 @@ def _refuse_special_child(run: RunDirectory, name: str) -> None:
 
 
 def _source(
-    source: str | os.PathLike[str], step: int | None, run: RunDirectory
+    source: str | os.PathLike[str] | Store, step: int | None, run: RunDirectory
 ) -> tuple[Store, Manifest, str, int, str]:
     """The snapshot to persist: its store, manifest, checkpoint id, step (default: its binding's) and the name
     of its durable copy, which must not be a symlink or special file in ``run``."""
-    src = open_store(source)
+    src = source if isinstance(source, Store) else open_store(source)
     data = read_manifest_bytes(src)
     manifest = parse_manifest(data)
     if step is None:
@@ -289,30 +297,32 @@ def persist_spread(
     Each rank copies the files it wrote from its node's slot at ``source`` (each file's size and digest checked,
     as :func:`persist` does); the coordinator, which holds the destination's lock meanwhile, checks that every file
     the manifest lists arrived at its size and writes the snapshot's manifest last. The checkpoint id is the
-    snapshot's. Every rank returns the same outcome or raises the same error.
+    snapshot's, which every rank's slot must hold. Every rank returns the same outcome or raises the same error
+    (:func:`~ckptfmt.decide.decide`: a rank that fails, or reports something malformed, is named at once).
     """
     throttle = throttle or Throttle()
     started = time.perf_counter()
-    src, manifest, ckpt_id, step, name = _source(source, None, run)
-    dst = open_store(run.child_url(name), run.storage_options)
+    what = f"the persist of {os.fspath(source)}"
     committer: Committer | None = None
-    status: PersistStatus | None = None
-    error: CheckpointError | None = None
-    if collective.rank == 0:
-        try:
-            existing = _existing_id(dst)
-            if existing is None:
-                committer = Committer(dst)
-            else:
+    mine: object
+    try:
+        src, manifest, ckpt_id, step, name = _source(source, None, run)
+        what = f"the persist of step {step}"
+        dst = open_store(run.child_url(name), run.storage_options)
+        status: PersistStatus | None = None
+        if collective.rank == 0:
+            try:
+                existing = _existing_id(dst)
+                if existing is None:
+                    committer = Committer(dst)
+                else:
+                    status = "already durable" if existing == ckpt_id else "conflict"
+            except CheckpointExistsError:
+                existing = _existing_id(dst)
                 status = "already durable" if existing == ckpt_id else "conflict"
-        except CheckpointExistsError:
-            existing = _existing_id(dst)
-            status = "already durable" if existing == ckpt_id else "conflict"
-        except CheckpointError as exc:
-            error = exc
-    verdict = decode_status(
-        collective.broadcast(encode_status(error, status=status) if collective.rank == 0 else None, src=0)
-    )
+        mine = {"checkpoint_id": ckpt_id, "status": status}
+    except CheckpointError as exc:
+        mine = exc
 
     def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
         return Persisted(
@@ -326,43 +336,68 @@ def persist_spread(
             seconds=time.perf_counter() - started,
         )
 
-    found = verdict.get("status")
-    if found == "already durable" or found == "conflict":
-        return outcome(found)
-    records = {f.path: f for f in manifest.files}
-    written: list[str] = []
-    mine: CheckpointError | None = None
+    committed = False
     try:
-        for path in files:
-            record = records[path]
-            _copy_file(src, dst, path, record.size, record.digest, throttle)
-            written.append(path)
-    except CheckpointError as exc:
-        mine = exc
-    gathered = collective.gather(encode_status(mine, written=written), dst=0)
-    result: bytes | None = None
-    if gathered is not None:
-        assert committer is not None
-        every: list[str] = []
-        failure: CheckpointError | None = None
-        for rank, data in enumerate(gathered):
-            try:
-                reported = decode_status(data).get("written")
-                every += [str(p) for p in reported] if isinstance(reported, list) else []
-            except CheckpointError as exc:
-                failure = failure or exc.locate(path=f"rank {rank}")
+        found = decide(collective, mine, lambda v: _agreed_status(v, what), what=what, max_size=MAX_STATUS_BYTES)
+        if found == "already durable" or found == "conflict":
+            return outcome(found)
+        if found is not None:
+            raise MalformedMessageError(f"{what}: rank 0 broadcast a malformed status")
+        records = {f.path: f for f in manifest.files}
+        written: list[str] = []
+        copied: object
         try:
-            if failure is None:
-                present = dst.list()
-                lacking = [f.path for f in manifest.files if present.get(f.path) != f.size]
-                if lacking:
-                    raise MissingFileError(f"{len(lacking)} file(s) of the snapshot were not copied", path=lacking[0])
-                committer.commit(manifest, every)
-                _advance_latest(run, name, step, ckpt_id)
+            for path in files:
+                record = records.get(path)
+                if record is None:
+                    raise MissingFileError("this rank wrote a file the snapshot's manifest does not list", path=path)
+                _copy_file(src, dst, path, record.size, record.digest, throttle)
+                written.append(path)
+            copied = written
         except CheckpointError as exc:
-            failure = exc
-        if failure is not None:
-            committer.abort(every)
-        result = encode_status(failure)
-    decode_status(collective.broadcast(result, src=0))
+            copied = exc
+
+        def commit(reports: Sequence[Any]) -> bool:
+            """Rank 0: every rank's copied files, then the manifest (an error here is every rank's)."""
+            nonlocal committed
+            assert committer is not None
+            every: list[str] = []
+            for rank, report in enumerate(reports):
+                if not isinstance(report, list) or not all(isinstance(p, str) for p in report):
+                    raise MalformedMessageError(f"{what}: rank {rank} sent a malformed list of the files it copied")
+                every += report
+            present = dst.list()
+            lacking = [f.path for f in manifest.files if present.get(f.path) != f.size]
+            if lacking:
+                raise MissingFileError(
+                    f"{what}: {len(lacking)} file(s) of the snapshot were not copied", path=lacking[0]
+                )
+            committer.commit(manifest, every)
+            committed = True
+            _advance_latest(run, name, step, ckpt_id)
+            return True
+
+        # a list of paths: at most as many as the manifest lists, each at most 1 KiB plus its quotes and comma
+        bound = MAX_STATUS_BYTES + len(manifest.files) * (MAX_PATH_BYTES + 3)
+        decide(collective, copied, commit, what=what, max_size=bound)
+    finally:
+        if committer is not None and not committed:
+            committer.abort([f.path for f in manifest.files])  # what every rank may have copied: none counts
     return outcome("persisted", sum(f.size for f in manifest.files))
+
+
+def _agreed_status(values: Sequence[Any], what: str) -> str | None:
+    """Rank 0: what every rank of a spread persist does, once each found the snapshot: nothing (``already
+    durable``, ``conflict``) or copy (None). Every rank's slot must hold the same checkpoint."""
+    ids: list[str] = []
+    for rank, value in enumerate(values):
+        if not isinstance(value, dict) or not isinstance(value.get("checkpoint_id"), str):
+            raise MalformedMessageError(f"{what}: rank {rank} sent a malformed status")
+        ids.append(value["checkpoint_id"])
+    status = values[0].get("status")
+    if status not in (None, "already durable", "conflict"):
+        raise MalformedMessageError(f"{what}: rank 0 sent a status {str(status)[:40]!r}")
+    for rank, ckpt_id in enumerate(ids):
+        if ckpt_id != ids[0]:
+            raise CollectiveError(f"{what}: rank {rank}'s slot holds checkpoint {ckpt_id}, rank 0's {ids[0]}")
+    return status if isinstance(status, str) else None

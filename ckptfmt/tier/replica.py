@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..collective import PeerChannel
-from ..errors import CheckpointError, CollectiveError, UnsafePathError
+from ..errors import CheckpointError, CollectiveError, MalformedMessageError, UnsafePathError
 from ..jsonio import load_json
 from ..manifest import FileRecord, checkpoint_id
 from ..manifest_parse import parse_manifest
@@ -32,7 +32,7 @@ from .holdings import PEER_PREFIX
 from .nodes import NodeMap
 from .persist import lower_thread_priority
 from .ring import MemoryTier, private_dir_problem
-from .wire import ReplicaDropped, receive_files, send_files
+from .wire import HEADER_BYTES, ReplicaDropped, header_bound, receive_bounded, receive_files, send_files
 
 log = logging.getLogger("ckptfmt")
 ROUND_TAGS = 1 << 30  # rounds use tags below this; transfers at a restore, tags above
@@ -40,6 +40,7 @@ _HAVE = ROUND_TAGS // 2  # a round's have-lists travel on its tag plus this: a t
 
 
 DROPPED = "replica dropped"  # how a ReplicaDropped's message begins (the receiver's says which rank sent it)
+ACK_BYTES = HEADER_BYTES  # an ack: {"ok", "error"}, the error cut at 2,000 characters (each JSON-escaped to <= 12 B)
 
 
 def peer_dir(tier: MemoryTier, source: int, round_no: int) -> str:
@@ -138,11 +139,12 @@ class Replicator:
         if self.partner is None:
             return 0
         lower_thread_priority()
-        have = load_json(
-            self.channel.recv(src=self.partner, tag=tag + _HAVE), error=CollectiveError, what="a have-list"
-        )
-        held = {str(p) for p in have} if isinstance(have, list) else set()
-        self.skipped_bytes += sum(f.size for f in parse_manifest(manifest_bytes).files if f.path in held)
+        listed = parse_manifest(manifest_bytes).files
+        have = self._message(tag + _HAVE, header_bound(len(listed)), "a have-list")
+        if not isinstance(have, list) or not all(isinstance(p, str) for p in have):
+            raise MalformedMessageError(f"rank {self.partner} sent a malformed have-list")
+        held = set(have)
+        self.skipped_bytes += sum(f.size for f in listed if f.path in held)
         source = SlotStore(slot_path)
 
         def rewritten() -> ReplicaDropped | None:
@@ -164,22 +166,31 @@ class Replicator:
         )
         # The partner's word that the copy is committed: a send returns once gloo has the bytes, not once they are
         # in the partner's memory (a node killed right after its send could leave the copy cut off).
-        ack = load_json(self.channel.recv(src=self.partner, tag=tag + _HAVE), error=CollectiveError, what="an ack")
+        ack = self._message(tag + _HAVE, ACK_BYTES, "an ack")
         if not isinstance(ack, dict) or ack.get("ok") is not True:
             why = ack.get("error") if isinstance(ack, dict) else None
             raise rewritten() or CollectiveError(f"rank {self.partner} did not commit the copy: {why}")
         return sent
+
+    def _message(self, tag: int, max_size: int, what: str) -> object:
+        """The partner's next JSON message on ``tag``: refused unread past ``max_size``, parsed by the bounded
+        reader; either refusal names the partner."""
+        assert self.partner is not None
+        data = receive_bounded(self.channel, self.partner, tag, max_size, what)
+        return load_json(data, error=MalformedMessageError, what=f"{what} from rank {self.partner}")
 
     def _receive(self, tag: int, src: int, round_no: int, manifest_bytes: bytes, local: Sequence[FileRecord]) -> int:
         """One source's files into ``peer-<src>-<k>``: un-committed first, manifest written last. Files this rank
         wrote there from its own state count only where the manifest lists the same size and digest."""
         store = SlotStore(self.local_dir(src, round_no))
         store.delete(MANIFEST_NAME)  # un-commit before a byte changes (as MEM-5 for slots)
-        listed = {(f.path, f.size, f.digest) for f in parse_manifest(manifest_bytes).files}
+        files = parse_manifest(manifest_bytes).files
+        listed = {(f.path, f.size, f.digest) for f in files}
         have = sorted(f.path for f in local if (f.path, f.size, f.digest) in listed)
         self.channel.send(json.dumps(have).encode("utf-8"), dst=src, tag=tag + _HAVE)
         try:
-            received = receive_files(self.channel, src=src, tag=tag, destination=store)
+            # the sender names at most the files of this round's manifest
+            received = receive_files(self.channel, src=src, tag=tag, destination=store, max_paths=len(files))
             if received.checkpoint_id != checkpoint_id(manifest_bytes):  # our files were checked against another
                 raise CollectiveError(
                     f"rank {src} sent checkpoint {received.checkpoint_id}, not this round's", path=MANIFEST_NAME

@@ -11,6 +11,11 @@ last, so a transfer cut half way leaves nothing that looks usable (a directory w
 
 Both sides always run a transfer to its end (a receiver that finds a bad piece reads and drops the rest), so
 the next transfer between the two finds the channel in step.
+
+Every message is hostile input, bounded before the receiver allocates anything for it (the channel refuses a longer
+announced length, naming the sender): the header at :func:`header_bound` (64 KiB, plus 4 KiB for each path the
+receiver may be sent, at most 64 MiB), the manifest at ``MAX_MANIFEST_BYTES``, a piece at ``PIECE_BYTES`` plus its
+9-byte head. A refused message leaves the channel out of step on that tag: the sender's side fails on its own.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ import xxhash
 
 from ..collective import PeerChannel
 from ..digests import algorithm_of, format_digest, new_hasher
-from ..errors import CheckpointError, CollectiveError, DigestMismatchError
+from ..errors import (
+    CheckpointError,
+    CollectiveError,
+    DigestMismatchError,
+    MalformedMessageError,
+    MessageTooLargeError,
+)
 from ..jsonio import load_json
 from ..manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, checkpoint_id
 from ..manifest_parse import parse_manifest
@@ -32,6 +43,21 @@ from ..paths import MANIFEST_NAME, check_path
 from ..storage import Store
 
 PIECE_BYTES = 8 << 20
+# A header is the checkpoint id and the paths sent, in JSON. A path is at most MAX_PATH_BYTES (1 KiB) of the
+# characters paths.md allows, which JSON does not escape: 4 KiB each leaves room to spare. The cap is what a receiver
+# that does not know how many paths to expect accepts: 16K paths at 4 KiB, about a million of 60 bytes.
+HEADER_BYTES = 64 << 10
+HEADER_BYTES_PER_PATH = 4 << 10
+MAX_HEADER_BYTES = 64 << 20
+ABORT_TEXT_BYTES = 4096  # the sender's reason, after the head of an aborting piece
+
+
+def header_bound(paths: int | None = None) -> int:
+    """The most bytes a header naming at most ``paths`` paths may take (None: as many as the cap allows); also the
+    bound of a list of that many paths sent on its own (a replica's have-list)."""
+    if paths is None:
+        return MAX_HEADER_BYTES
+    return min(HEADER_BYTES + HEADER_BYTES_PER_PATH * max(paths, 0), MAX_HEADER_BYTES)
 
 
 class ReplicaDropped(CollectiveError):
@@ -84,7 +110,7 @@ def send_files(
     for path in paths:
         gone = still_valid() if still_valid is not None else None
         if gone is not None:
-            channel.send(_PIECE_HEAD.pack(_DROPPED, 0) + str(gone).encode("utf-8")[:4096], dst=dst, tag=tag)
+            channel.send(_PIECE_HEAD.pack(_DROPPED, 0) + str(gone).encode("utf-8")[:ABORT_TEXT_BYTES], dst=dst, tag=tag)
             raise gone
         size = records[path].size
         position = 0
@@ -95,7 +121,9 @@ def send_files(
                 if len(view):
                     source.read_into(path, position, view)
             except CheckpointError as exc:
-                channel.send(_PIECE_HEAD.pack(_ABORT, 0) + str(exc).encode("utf-8")[:4096], dst=dst, tag=tag)
+                channel.send(
+                    _PIECE_HEAD.pack(_ABORT, 0) + str(exc).encode("utf-8")[:ABORT_TEXT_BYTES], dst=dst, tag=tag
+                )
                 raise
             channel.send(_PIECE_HEAD.pack(_OK, xxhash.xxh3_64_intdigest(view)) + bytes(view), dst=dst, tag=tag)
             position += len(view)
@@ -107,23 +135,42 @@ def send_files(
     return sent
 
 
-def receive_files(channel: PeerChannel, *, src: int, tag: int, destination: Store) -> Received:
+def receive_files(
+    channel: PeerChannel,
+    *,
+    src: int,
+    tag: int,
+    destination: Store,
+    max_paths: int | None = None,
+    expect_id: str | None = None,
+) -> Received:
     """Receive one transfer from ``src`` into ``destination`` (files only: the caller commits a manifest when it
     wants the copy to count). Raises an :class:`~ckptfmt.errors.IntegrityError` or
     :class:`~ckptfmt.errors.CollectiveError` naming the file when anything does not check out; what was
-    published before stays (each published file was verified whole), what was not is discarded."""
-    header = load_json(channel.recv(src=src, tag=tag), error=CollectiveError, what=f"a transfer header from rank {src}")
-    manifest_bytes = channel.recv(src=src, tag=tag)
-    if not isinstance(header, dict) or not isinstance(header.get("paths"), list):
-        raise CollectiveError(f"rank {src} sent a malformed transfer header")
-    if len(manifest_bytes) > MAX_MANIFEST_BYTES:
-        raise CollectiveError(f"rank {src} sent a manifest of {len(manifest_bytes)} bytes")
-    announced = str(header.get("checkpoint_id"))
+    published before stays (each published file was verified whole), what was not is discarded.
+
+    ``max_paths``: the most files the receiver expects (the header is bounded by :func:`header_bound` of it, and
+    refused when it names more); None when it does not know. A message longer than its bound is refused before
+    it is received (:class:`~ckptfmt.errors.MessageTooLargeError` naming ``src``).
+
+    ``expect_id``: the checkpoint the receiver asked for; a manifest of another one (hashing to what its sender
+    announced, but not to this) is refused: its files are read and dropped, nothing is published."""
+    header = load_json(
+        receive_bounded(channel, src, tag, header_bound(max_paths), "a transfer header"),
+        error=MalformedMessageError,
+        what=f"a transfer header from rank {src}",
+    )
+    manifest_bytes = receive_bounded(channel, src, tag, MAX_MANIFEST_BYTES, "a manifest")
+    paths = header.get("paths") if isinstance(header, dict) else None
+    announced = header.get("checkpoint_id") if isinstance(header, dict) else None
+    if not isinstance(paths, list) or not isinstance(announced, str) or not all(isinstance(p, str) for p in paths):
+        raise MalformedMessageError(f"rank {src} sent a malformed transfer header")
+    if max_paths is not None and len(paths) > max_paths:
+        raise MalformedMessageError(f"rank {src} announced {len(paths)} files; at most {max_paths} are expected")
     manifest = _checked_manifest(manifest_bytes, announced, src)
     records = {f.path: f for f in manifest.files}
     wanted: list[FileRecord] = []
-    for raw in header["paths"]:
-        path = str(raw)
+    for path in paths:
         record = records.get(path) if path != MANIFEST_NAME else None
         if record is None:
             # a header that names a file its manifest does not list: nothing is received (the sizes of what follows
@@ -135,6 +182,8 @@ def receive_files(channel: PeerChannel, *, src: int, tag: int, destination: Stor
             raise CollectiveError(f"rank {src} sent an unsafe path: {exc}", path=path) from exc
         wanted.append(record)
     failure: CheckpointError | None = None
+    if expect_id is not None and announced != expect_id:
+        failure = DigestMismatchError(f"rank {src} sent checkpoint {announced}, not {expect_id}", path=MANIFEST_NAME)
     published: list[FileRecord] = []
     nbytes = 0
     for record in wanted:
@@ -145,6 +194,20 @@ def receive_files(channel: PeerChannel, *, src: int, tag: int, destination: Stor
     if failure is not None:
         raise failure
     return Received(checkpoint_id=announced, manifest_bytes=manifest_bytes, files=tuple(published), nbytes=nbytes)
+
+
+def receive_bounded(
+    channel: PeerChannel, src: int, tag: int, max_size: int, what: str, path: str | None = None
+) -> bytes:
+    """The next message from ``src`` on ``tag``, refused unread when ``src`` announces more than ``max_size`` bytes
+    (a :class:`~ckptfmt.errors.MessageTooLargeError` saying ``what`` it was and naming ``src``)."""
+    try:
+        data = channel.recv(src=src, tag=tag, max_size=max_size)
+    except MessageTooLargeError as exc:
+        raise MessageTooLargeError(f"{what}: {exc.message}", path=path) from exc
+    if len(data) > max_size:  # a channel that does not bound its receives: refused all the same
+        raise MessageTooLargeError(f"{what}: rank {src} sent {len(data):,} bytes; at most {max_size:,} are accepted")
+    return data
 
 
 def _checked_manifest(data: bytes, announced: str, src: int) -> Manifest:
@@ -170,7 +233,9 @@ def _receive_file(
     position = 0
     try:
         while position < record.size or (record.size == 0 and position == 0):
-            message = channel.recv(src=src, tag=tag)
+            message = receive_bounded(
+                channel, src, tag, _PIECE_HEAD.size + max(PIECE_BYTES, ABORT_TEXT_BYTES), "a piece", record.path
+            )
             if len(message) < _PIECE_HEAD.size:
                 raise CollectiveError(f"rank {src} sent a truncated piece", path=record.path)
             status, expected = _PIECE_HEAD.unpack_from(message)

@@ -17,7 +17,8 @@ import socket
 import struct
 import time
 
-from ckptfmt.errors import CollectiveError
+from ckptfmt.collective import refuse_length
+from ckptfmt.errors import CollectiveError, MessageTooLargeError
 
 HEADER = struct.Struct("!Q")
 MAX_MESSAGE = 64 << 20  # a rank's records are kilobytes; a larger length is a broken stream
@@ -73,11 +74,21 @@ class SocketCollective:
             self._send(peer, data, "broadcast")
         return data
 
-    def gather(self, data: bytes, *, dst: int) -> list[bytes] | None:
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
         if self._rank != dst:
             self._send(dst, data, "gather")
             return None
-        return [data if r == dst else self._recv(r, "gather") for r in range(self._world_size)]
+        out: list[bytes] = []
+        refused: MessageTooLargeError | None = None
+        for r in range(self._world_size):
+            try:
+                out.append(data if r == dst else self._recv(r, "gather", max_size))
+            except MessageTooLargeError as exc:  # the others are still received: none is left blocked in a send
+                refused = refused or exc
+                out.append(b"")
+        if refused is not None:
+            raise refused
+        return out
 
     def close(self) -> None:
         for sock in self._peers.values():
@@ -91,9 +102,10 @@ class SocketCollective:
         except OSError as exc:  # EPIPE / ECONNRESET: the peer is gone; TimeoutError: it stopped reading
             raise CollectiveError(f"rank {self._rank}: {what}: sending to rank {peer} failed: {exc!r}") from exc
 
-    def _recv(self, peer: int, what: str) -> bytes:
+    def _recv(self, peer: int, what: str, max_size: int | None = None) -> bytes:
         deadline = time.monotonic() + self.timeout
         (length,) = HEADER.unpack(self._read(peer, HEADER.size, deadline, what))
+        refuse_length(length, max_size, src=peer, what=f"its part of a {what}")
         if length > MAX_MESSAGE:
             raise CollectiveError(f"rank {self._rank}: {what}: rank {peer} sent a length of {length}")
         return self._read(peer, length, deadline, what)

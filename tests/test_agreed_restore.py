@@ -1,0 +1,502 @@
+"""The restore across nodes facing a lying or buggy rank (spec/memory.md MEM-11, MEM-12; red-team 3: 01, 02, 07, 11).
+
+Ranks are threads (:class:`ThreadCollective`, also the peer channel); a node is its own memory directory. A
+leader's holdings list is hostile input: what does not parse fails every rank at once, naming the rank; what
+parses but does not check out against the bytes it names is left out; nothing is read or written outside a
+node's own memory directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptfmt
+from ckptfmt.collective import ThreadCollective
+from ckptfmt.errors import CheckpointError, CollectiveError, DigestMismatchError, MalformedMessageError
+from ckptfmt.manifest import checkpoint_id
+from ckptfmt.manifest_parse import parse_manifest
+from ckptfmt.storage.slot import SlotStore
+from ckptfmt.tier.agreed import AgreedRestore, MemoryOption
+from ckptfmt.tier.binding import SlotBinding, normalize_run_url, run_identity
+from ckptfmt.tier.holdings import Holding, Transfer, node_holdings, rank_of_file
+from ckptfmt.tier.nodes import NodeMap
+from ckptfmt.tier.ring import MemoryTier
+from ckptfmt.writer import CheckpointWriter
+
+# A long timeout: a rank left waiting would hang the test past it, so every outcome asserted below is reached by
+# the coordinator's broadcast, never by a timeout (a timeout's message says "within").
+TIMEOUT = 120.0
+ROWS = 4
+
+
+def run_ranks(world: int, body: Callable[[int], Any]) -> list[Any]:
+    """``body(rank)`` on every rank as a thread; each rank's return value or raised exception."""
+    out: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = body(rank)
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def tiers_of(tmp: Path, names: Sequence[str]) -> dict[str, MemoryTier]:
+    tiers = {n: MemoryTier(tmp / n, str(tmp / "run")) for n in names}
+    for tier in tiers.values():
+        tier.ensure()
+    return tiers
+
+
+def snapshot(tiers: dict[str, MemoryTier], nodes: tuple[str, ...], *, step: int, slot: int = 0) -> str:
+    """One spread snapshot: rank r writes rows of value ``100 r + step`` into its node's slot ``slot``."""
+    run = str(next(iter(tiers.values())).memory_dir.parent / "run")
+    group = ThreadCollective.group(len(nodes), timeout=TIMEOUT)
+    nmap = NodeMap(nodes=nodes)
+    binding = SlotBinding(
+        run_id=run_identity(run),
+        run_dir=normalize_run_url(run),
+        node=nodes[0],
+        world_size=len(nodes),
+        step=step,
+        nodes=nodes,
+    )
+
+    def write(rank: int) -> str:
+        writer = CheckpointWriter(
+            SlotStore(tiers[nodes[rank]].writable_slot(slot)),
+            profile="weights",
+            overwrite=True,
+            collective=group[rank],
+            metadata=binding.to_metadata(),
+            store_of_rank=nmap.store_of_rank(),
+        )
+        rows = np.full((ROWS, 8), rank * 100 + step, dtype=np.float32)
+        writer.write_tensor("weights", "w", rows, global_shape=(ROWS * len(nodes), 8), offsets=(ROWS * rank, 0))
+        return writer.commit()
+
+    ids = run_ranks(len(nodes), write)
+    assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 1, ids
+    return str(ids[0])
+
+
+class Tampering(ThreadCollective):
+    """Rank ``rank`` of ``inner``'s group, whose first gather (its holdings report) goes through ``alter``: what a
+    buggy or lying process would put on the wire. ``alter`` returns the report to send (framed as the report was)
+    or the raw bytes."""
+
+    def __init__(self, inner: ThreadCollective, alter: Callable[[Any], object]) -> None:
+        super().__init__(inner.rank, inner._shared)
+        self.alter: Callable[[Any], object] | None = alter
+
+    def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
+        if self.alter is not None:
+            doc = json.loads(data)
+            framed = isinstance(doc, dict) and set(doc) == {"ok"}  # as ckptfmt.decide frames a rank's part
+            altered = self.alter(doc["ok"] if framed else doc)
+            data = (
+                altered if isinstance(altered, bytes) else json.dumps({"ok": altered} if framed else altered).encode()
+            )
+            self.alter = None
+        return super().gather(data, dst=dst, max_size=max_size)
+
+
+def agreed_restores(
+    tiers: dict[str, MemoryTier], nodes: tuple[str, ...], alter: dict[int, Callable[[Any], object]] | None = None
+) -> list[AgreedRestore]:
+    group = ThreadCollective.group(len(nodes), timeout=TIMEOUT)
+    handles: list[ThreadCollective] = [Tampering(c, alter[c.rank]) if alter and c.rank in alter else c for c in group]
+    run = str(next(iter(tiers.values())).memory_dir.parent / "run")
+    return [
+        AgreedRestore(
+            tiers[nodes[rank]],
+            collective=handles[rank],
+            channel=handles[rank],
+            nodes=NodeMap(nodes=nodes),
+            node=nodes[rank],
+            run_id=run_identity(run),
+            run_dir=run,
+            rank=rank,
+        )
+        for rank in range(len(nodes))
+    ]
+
+
+def read_all_rows(agreed: AgreedRestore, option: MemoryOption, world: int) -> list[float]:
+    """Every rank's rows of the option's checkpoint, as this rank reads them (each chunk's digest checked)."""
+    manifest = parse_manifest(option.manifest_bytes)
+    fetched = agreed.fetch(option, {f.path for f in manifest.files})
+    ckpt = ckptfmt.reader.Checkpoint(fetched.store, manifest, option.manifest_bytes)
+    return [float(ckpt.read_slice("weights", "w", (ROWS * r, 0), (ROWS, 8))[0, 0]) for r in range(world)]
+
+
+def only_b_holds(tmp: Path, step: int = 5, slot: int = 0) -> tuple[dict[str, MemoryTier], str]:
+    """Nodes A and B; only B's memory holds a committed snapshot (both ranks of its writer were on B)."""
+    tiers = tiers_of(tmp, ("A", "B"))
+    ckpt_id = snapshot({"B": tiers["B"]}, ("B", "B"), step=step, slot=slot)
+    return tiers, ckpt_id
+
+
+def everything_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+# ---------------------------------------------------------------- the records are parsed strictly
+
+
+def good_holding() -> dict[str, Any]:
+    return {
+        "node": "B",
+        "path": "/m/run-x/slot-0",
+        "kind": "slot",
+        "checkpoint_id": "sha256:" + "ab" * 32,
+        "step": 5,
+        "files": {"weights/r00000-00000.safetensors": 12},
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda h: h.pop("path"), "path"),
+        (lambda h: h.update(files=["weights/r00000-00000.safetensors"]), "files"),
+        (lambda h: h.update(files={"weights/x": -1}), "weights/x"),
+        (lambda h: h.update(files={"weights/x": True}), "weights/x"),
+        (lambda h: h.update(step="1e9"), "step"),
+        (lambda h: h.update(step=1.5), "step"),
+        (lambda h: h.update(step=-1), "step"),
+        (lambda h: h.update(kind="other"), "kind"),
+        (lambda h: h.update(node=3), "node"),
+        (lambda h: h.update(checkpoint_id="sha256:../../../../escaped-by-peer"), "escaped-by-peer"),
+        (lambda h: h.update(checkpoint_id="sha256:" + "AB" * 32), "sha256:ABAB"),
+        (lambda h: h.update(extra=1), "extra"),
+    ],
+)
+def test_a_malformed_holding_is_refused_naming_the_member_and_the_rank(
+    change: Callable[[dict[str, Any]], object], named: str
+) -> None:
+    assert Holding.from_dict(good_holding(), rank=3) == Holding.from_dict(Holding.from_dict(good_holding()).to_dict())
+    doc = good_holding()
+    change(doc)
+    with pytest.raises(MalformedMessageError, match="rank 3") as caught:
+        Holding.from_dict(doc, rank=3)
+    assert named in str(caught.value)
+    with pytest.raises(MalformedMessageError):
+        Holding.from_dict("slot-0", rank=3)
+
+
+@pytest.mark.parametrize("member", ["path", "size", "src", "source_dir", "dst"])
+def test_a_malformed_transfer_is_refused_naming_the_member(member: str) -> None:
+    doc: dict[str, object] = {"path": "weights/a", "size": 3, "src": 1, "source_dir": "/m/slot-0", "dst": 0}
+    assert Transfer.from_dict(doc, rank=0).to_dict() == doc
+    doc[member] = [] if member in ("path", "source_dir") else "7"
+    with pytest.raises(MalformedMessageError, match=f"rank 0: member '{member}'"):
+        Transfer.from_dict(doc, rank=0)
+
+
+def test_the_rank_of_a_file_is_read_from_the_writer_s_names() -> None:
+    assert rank_of_file("weights/r00012-00003.safetensors") == 12
+    assert rank_of_file("optimizer/context.r00004.msgpack") == 4
+    assert rank_of_file("provenance/context.msgpack") == 0
+    assert rank_of_file("weights/notes.txt") is None
+
+
+# ---------------------------------------------------------------- 01: ids name directories; each is checked
+
+
+def test_an_honest_restore_gathers_a_node_s_files_from_the_only_holder(tmp_path: Path) -> None:
+    tiers, ckpt_id = only_b_holds(tmp_path)
+    restores = agreed_restores(tiers, ("A", "B"))
+
+    def body(rank: int) -> Any:
+        options = restores[rank].options()
+        return [(o.step, o.checkpoint_id) for o in options], read_all_rows(restores[rank], options[0], 2)
+
+    assert run_ranks(2, body) == [([(5, ckpt_id)], [5.0, 105.0])] * 2
+
+
+def test_a_checkpoint_id_that_is_no_sha256_fails_every_rank_at_once_and_nothing_is_written(tmp_path: Path) -> None:
+    """Finding 01: B's leader files its slot under ``sha256:../../../../escaped-by-peer``."""
+    tiers, ckpt_id = only_b_holds(tmp_path)
+    bad = "sha256:../../../../escaped-by-peer"
+
+    def rename(report: Any) -> object:
+        report["holdings"][0]["checkpoint_id"] = bad
+        report["manifests"] = {bad: report["manifests"][ckpt_id]}
+        return report
+
+    before = everything_under(tmp_path)
+    restores = agreed_restores(tiers, ("A", "B"), {1: rename})
+    out = run_ranks(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2))
+    for exc in out:
+        assert isinstance(exc, MalformedMessageError), out
+        assert "rank 1" in str(exc) and "is not a checkpoint id" in str(exc) and "within" not in str(exc)
+    assert everything_under(tmp_path) == before
+
+
+def test_an_option_whose_id_is_no_sha256_is_refused_before_a_directory_is_made(tmp_path: Path) -> None:
+    tiers, _ = only_b_holds(tmp_path)
+    manifest = Path(tiers["B"].slot_path(0), "manifest.json").read_bytes()
+    agreed = agreed_restores({"B": tiers["B"]}, ("B",))[0]
+    agreed.collective = agreed.channel = None
+    before = everything_under(tmp_path)
+    for bad in ("sha256:../../../../escaped-by-peer", "sha256:" + "0" * 64):
+        with pytest.raises(CheckpointError, match=r"is not a checkpoint id|hashes to"):
+            agreed.fetch(MemoryOption(step=5, checkpoint_id=bad, manifest_bytes=manifest), {"weights/x"})
+    assert everything_under(tmp_path) == before
+
+
+def test_a_manifest_that_does_not_hash_to_its_id_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tiers, ckpt_id = only_b_holds(tmp_path)
+    forged = "sha256:" + "0" * 64
+
+    def refile(report: Any) -> object:
+        report["holdings"][0]["checkpoint_id"] = forged
+        report["manifests"] = {forged: report["manifests"][ckpt_id]}
+        return report
+
+    restores = agreed_restores(tiers, ("A", "B"), {1: refile})
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        out = run_ranks(2, lambda rank: restores[rank].options())
+    assert out == [[], []]
+    assert any("rank 1 sent a manifest for " + forged in r.getMessage() for r in caplog.records)
+
+
+def test_a_sender_s_manifest_of_another_checkpoint_is_refused_and_nothing_is_published(tmp_path: Path) -> None:
+    """The receiver checks the manifest against the option it asked for, not against what its sender announces."""
+    tiers, _ = only_b_holds(tmp_path, step=5, slot=0)
+    snapshot({"B": tiers["B"]}, ("B", "B"), step=6, slot=1)
+    restores = agreed_restores(tiers, ("A", "B"))
+    real_move = AgreedRestore._move
+
+    def body(rank: int) -> Any:
+        options = restores[rank].options()
+        assert [o.step for o in options] == [6, 5]
+        if rank == 1:  # B sends step 6's manifest (and files) where step 5's were planned
+
+            def lying_move(self: AgreedRestore, index: int, transfer: Transfer, option: Any, fetch_dir: str) -> None:
+                real_move(self, index, transfer, options[0], fetch_dir)
+
+            restores[1]._move = lying_move.__get__(restores[1])  # type: ignore[method-assign]
+        return read_all_rows(restores[rank], options[1], 2)
+
+    out = run_ranks(2, body)
+    for exc in out:
+        assert isinstance(exc, DigestMismatchError), out
+        assert "rank 1 sent checkpoint" in str(exc)
+    fetched = list(tiers["A"].root.glob("fetched-*/**/*.safetensors"))
+    assert fetched == []
+
+
+# ---------------------------------------------------------------- 02: a holding's claims are checked
+
+
+def test_a_claimed_step_that_its_manifest_does_not_bind_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 02: honest spread snapshots at steps 10 and 20; B's leader reports its step-10 holding as step 30."""
+    tiers = tiers_of(tmp_path, ("A", "B"))
+    snapshot(tiers, ("A", "B"), step=10, slot=0)
+    id20 = snapshot(tiers, ("A", "B"), step=20, slot=1)
+
+    def lie(report: Any) -> object:
+        for holding in report["holdings"]:
+            if holding["step"] == 10:
+                holding["step"] = 30
+        return report
+
+    restores = agreed_restores(tiers, ("A", "B"), {1: lie})
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        out = run_ranks(2, lambda rank: [(o.step, o.checkpoint_id) for o in restores[rank].options()])
+    assert out == [[(20, id20)]] * 2  # never step 30; step 10 is incomplete without B's holding
+    assert any(
+        "rank 1" in r.getMessage() and "claims step 30" in r.getMessage() and "step 10" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_leader_speaks_only_for_its_own_node(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """B's leader reports its complete holding as being on node A: A's ranks would read B's directory."""
+    tiers, _ = only_b_holds(tmp_path)
+
+    def elsewhere(report: Any) -> object:
+        report["holdings"][0]["node"] = "A"
+        return report
+
+    restores = agreed_restores(tiers, ("A", "B"), {1: elsewhere})
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        out = run_ranks(2, lambda rank: restores[rank].options())
+    assert out == [[], []]
+    assert any("rank 1 is not the leader of node 'A'" in r.getMessage() for r in caplog.records)
+
+
+def test_a_holding_outside_the_node_s_memory_directory_is_never_read(tmp_path: Path) -> None:
+    """B's leader reports its holding at a directory outside its memory directory: B's rank sends nothing from it
+    (the receiver is told at once), and every rank passes over the option together."""
+    tiers, _ = only_b_holds(tmp_path)
+    outside = tmp_path / "outside" / "slot-0"
+    shutil.copytree(tiers["B"].slot_path(0), outside)
+
+    def move(report: Any) -> object:
+        report["holdings"][0]["path"] = str(outside)
+        return report
+
+    restores = agreed_restores(tiers, ("A", "B"), {1: move})
+    out = run_ranks(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2))
+    for exc in out:
+        assert isinstance(exc, CollectiveError), out
+        assert "not in this node's memory directory" in str(exc) and "within" not in str(exc)
+    assert list(tiers["A"].root.glob("fetched-*/**/*.safetensors")) == []
+
+
+# ---------------------------------------------------------------- 07: a malformed list fails every rank at once
+
+
+def nested(report: Any) -> object:
+    return b'{"ok":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+
+
+def set_in_first(**members: object) -> Callable[[Any], object]:
+    def alter(report: Any) -> object:
+        report["holdings"][0].update(members)
+        return report
+
+    return alter
+
+
+def without_path(report: Any) -> object:
+    del report["holdings"][0]["path"]
+    return report
+
+
+def files_as_list(report: Any) -> object:
+    report["holdings"][0]["files"] = sorted(report["holdings"][0]["files"])
+    return report
+
+
+def holdings_as_string(report: Any) -> object:
+    report["holdings"] = "slot-0"
+    return report
+
+
+@pytest.mark.parametrize(
+    "alter",
+    [without_path, files_as_list, holdings_as_string, set_in_first(step="1e9"), nested],
+    ids=["missing-path", "files-list", "holdings-string", "step-1e9", "200k-brackets"],
+)
+def test_a_malformed_holdings_list_fails_every_rank_at_once_naming_the_rank(
+    tmp_path: Path, alter: Callable[[Any], object]
+) -> None:
+    """Finding 07: node B's leader sends a malformed list; every rank raises the same CollectiveError naming rank 1,
+    decided by the coordinator (not a timeout), so the manager passes over the memory options together."""
+    tiers, _ = only_b_holds(tmp_path)
+    restores = agreed_restores(tiers, ("A", "B"), {1: alter})
+    out = run_ranks(2, lambda rank: restores[rank].options())
+    assert len({str(e) for e in out}) == 1, out
+    for exc in out:
+        assert isinstance(exc, CollectiveError) and isinstance(exc, CheckpointError), out
+        assert "rank 1" in str(exc) and "within" not in str(exc)
+
+
+# ---------------------------------------------------------------- 11: a slot's stale files after a placement change
+
+
+def test_a_spread_slot_rewritten_after_a_placement_change_keeps_only_its_ranks_files(tmp_path: Path) -> None:
+    tiers = tiers_of(tmp_path, ("A", "B"))
+    snapshot(tiers, ("A", "A", "B", "B"), step=3)
+    snapshot(tiers, ("A", "B", "A", "B"), step=4)
+    listed = {
+        n: sorted(p for p in SlotStore(t.slot_path(0)).list() if p.endswith(".safetensors")) for n, t in tiers.items()
+    }
+    assert listed == {
+        "A": ["weights/r00000-00000.safetensors", "weights/r00002-00000.safetensors"],
+        "B": ["weights/r00001-00000.safetensors", "weights/r00003-00000.safetensors"],
+    }
+
+
+def test_stale_files_of_another_node_s_ranks_are_not_held_and_the_restore_reads_the_new_step(tmp_path: Path) -> None:
+    """Finding 11: placement (A, A, B, B) at step 3, then (A, B, A, B) at step 4 into the same slot; each node's slot
+    also keeps (as a writer that deletes nothing would leave them) the step-3 files of ranks now on the other node,
+    at the sizes step 4's manifest lists. The agreed restore reads step 4, whole, on every rank."""
+    tiers = tiers_of(tmp_path, ("A", "B"))
+    snapshot(tiers, ("A", "A", "B", "B"), step=3)
+    stale = {
+        "A": {"r00001": Path(tiers["A"].slot_path(0), "weights", "r00001-00000.safetensors").read_bytes()},
+        "B": {"r00002": Path(tiers["B"].slot_path(0), "weights", "r00002-00000.safetensors").read_bytes()},
+    }
+    nodes = ("A", "B", "A", "B")
+    snapshot(tiers, nodes, step=4)
+    for node, files in stale.items():
+        for name, data in files.items():
+            Path(tiers[node].slot_path(0), "weights", f"{name}-00000.safetensors").write_bytes(data)
+
+    run = str(tmp_path / "run")
+    held = {
+        n: node_holdings(t, node=n, run_id=run_identity(run), run_dir=run, slot_count=2)[0][0].files
+        for n, t in tiers.items()
+    }
+    assert sorted(held["A"]) == [
+        "provenance/context.msgpack",
+        "weights/r00000-00000.safetensors",
+        "weights/r00002-00000.safetensors",
+    ]
+    assert sorted(held["B"]) == ["weights/r00001-00000.safetensors", "weights/r00003-00000.safetensors"]
+
+    restores = agreed_restores(tiers, nodes)
+
+    def body(rank: int) -> Any:
+        options = restores[rank].options()
+        return options[0].step, read_all_rows(restores[rank], options[0], 4)
+
+    assert run_ranks(4, body) == [(4, [4.0, 104.0, 204.0, 304.0])] * 4
+
+
+def test_one_rank_alone_decides_the_same_way(tmp_path: Path) -> None:
+    tiers = tiers_of(tmp_path, ("A",))
+    ckpt_id = snapshot(tiers, ("A", "A"), step=2)
+    agreed = agreed_restores(tiers, ("A",))[0]
+    agreed.collective = agreed.channel = None
+    options = agreed.options()
+    assert [(o.step, o.checkpoint_id) for o in options] == [(2, ckpt_id)]
+    assert read_all_rows(agreed, options[0], 2) == [2.0, 102.0]
+    assert checkpoint_id(options[0].manifest_bytes) == ckpt_id
+    assert os.listdir(tiers["A"].root)  # the slots are still there
+
+
+# ---------------------------------------------------------------- the manager passes over the memory tier together
+
+
+def test_the_manager_passes_over_the_memory_tier_when_its_holdings_cannot_be_agreed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ckptfmt.torch import CheckpointManager
+    from tests.test_memory_tier import build, train
+
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    train(run, shm, stop_at=7, replicate=True)  # step 7 in memory, step 5 durable
+    monkeypatch.setattr(AgreedRestore, "_report", lambda self: {"holdings": "slot-0", "manifests": {}})
+    t = build()
+    mgr = CheckpointManager(run, loader=t.loader, memory_every=1, memory_dir=shm, replicate=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+            step = mgr.restore_latest(**t.state())
+    finally:
+        mgr.close(persist=False)
+    assert step == 5 and mgr.last_restore is not None and mgr.last_restore.tier == "durable"
+    assert any("skipping the memory tier" in r.getMessage() and "rank 0" in r.getMessage() for r in caplog.records)
