@@ -45,7 +45,7 @@ class MotoServer:
             stderr=subprocess.DEVNULL,
             env=env,
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a hang guard: it answers in about a second
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"moto server exited with {self.proc.returncode}")
@@ -54,7 +54,8 @@ class MotoServer:
                 return
             except OSError:
                 time.sleep(0.1)
-        raise RuntimeError("moto server did not come up within 30 s")
+        self.kill()  # not left running for the rest of the session, or after it
+        raise RuntimeError("moto server did not come up within 60 s")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -117,9 +117,11 @@ def test_a_generated_tree_without_the_shipped_digest_is_refused(
 
 
 def adapter(tmp_path: Path, body: str) -> list[str]:
-    """A shell adapter that starts a background child, writes its pid, then runs ``body``."""
+    """A shell adapter that starts a background child, writes its pid, then runs ``body``; the child writes
+    ``child.finished`` if it lives out its 100 s, the adapter ``body.finished`` if ``body`` ends without exiting."""
     script = tmp_path / "adapter.sh"
-    script.write_text(f'#!/bin/sh\nsleep 300 &\necho $! > "{tmp_path}/child.pid"\n{body}\n')
+    child = f'(sleep 100; touch "{tmp_path}/child.finished") &\necho $! > "{tmp_path}/child.pid"'
+    script.write_text(f'#!/bin/sh\n{child}\n{body}\ntouch "{tmp_path}/body.finished"\n')
     script.chmod(0o755)
     return [str(script)]
 
@@ -133,7 +135,8 @@ def alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_dead(pid: int, seconds: float = 5.0) -> bool:
+def wait_dead(pid: int, seconds: float = 60.0) -> bool:
+    """Whether ``pid`` is dead or a zombie, polled for at most ``seconds`` (a hang guard: SIGKILL is at once)."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if not alive(pid):
@@ -145,13 +148,15 @@ def wait_dead(pid: int, seconds: float = 5.0) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("body", ["sleep 300", "exit 0", "exit 1"])
 def test_no_adapter_process_outlives_its_call(tmp_path: Path, body: str) -> None:
-    start = time.monotonic()
     ex = call(adapter(tmp_path, body), timeout=2)
-    assert time.monotonic() - start < 30
+    # the call waited out neither the adapter's 300 s body nor its child's 100 s: it killed them (its timeout, 2 s,
+    # for the body; the group kill once the adapter answered, for the child)
+    assert not (tmp_path / "child.finished").exists(), "the call waited for the adapter's child to end"
+    assert not (tmp_path / "body.finished").exists(), "the call waited out the adapter's body"
     child = int((tmp_path / "child.pid").read_text())
     try:
         assert wait_dead(child), "the adapter's child is still running"
     finally:
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
+        if alive(child):  # and its sleep: the adapter's whole group
+            os.killpg(os.getpgid(child), signal.SIGKILL)
     assert ex.status == (None if body.startswith("sleep") else int(body.split()[1]))

@@ -9,7 +9,6 @@ number of random moments.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +25,10 @@ from ckptfmt.run import RunDirectory, checkpoint_name
 
 
 def _held(figures: MultiFigures, *, expect_trials: int | None = None) -> None:
-    assert not figures.wrong, "\n".join(figures.wrong[:20])
+    assert not figures.wrong, "\n".join(figures.wrong[:20])  # a survivor still running at BOUND_S is there as hung
     assert figures.trials == figures.refused + figures.whole
     assert figures.loadable_but_wrong == 0 and figures.fails_verify == 0
     assert figures.gc_clean == figures.refused
-    assert figures.slowest_survivor_s < multirank.BOUND_S
     if expect_trials is not None:
         assert figures.trials == expect_trials
 
@@ -71,27 +69,28 @@ def test_ckpt_gc_removes_what_killed_multirank_saves_left(tmp_path: Path) -> Non
 
 def test_socket_collective_fails_at_once_when_a_peer_is_gone() -> None:
     ends = mesh(3)
-    peers = [SocketCollective(r, 3, ends[r], timeout=5.0) for r in range(3)]
+    # a timeout no test waits out (a hang guard): had a call waited for rank 2, it would end in "did not answer";
+    # "is gone" and "sending ... failed" are what the end of stream and EPIPE say at once
+    peers = [SocketCollective(r, 3, ends[r], timeout=120.0) for r in range(3)]
     for sock in ends[2].values():  # rank 2 dies: the kernel closes its ends
         sock.close()
-    start = time.monotonic()
     assert peers[1].gather(b"from 1", dst=0) is None
     with pytest.raises(CollectiveError, match="rank 2 is gone"):
         peers[0].gather(b"from 0", dst=0)
     with pytest.raises(CollectiveError, match="sending to rank 2 failed"):
         peers[0].broadcast(b"outcome", src=0)  # rank 1 gets it; rank 2 cannot
     assert peers[1].broadcast(None, src=0) == b"outcome"
-    assert time.monotonic() - start < 2.5  # at once, not after the 5 s timeout (room for a busy CI machine)
     keep_only(ends, None)
 
 
 def test_socket_collective_round_trip_and_timeout() -> None:
     ends = mesh(2)
-    a, b = SocketCollective(0, 2, ends[0], timeout=0.2), SocketCollective(1, 2, ends[1], timeout=0.2)
+    a, b = SocketCollective(0, 2, ends[0], timeout=120.0), SocketCollective(1, 2, ends[1], timeout=120.0)
     assert b.gather(b"from 1", dst=0) is None
     assert a.gather(b"from 0", dst=0) == [b"from 0", b"from 1"]
     assert a.broadcast(b"hello", src=0) == b"hello"
     assert b.broadcast(None, src=0) == b"hello"
+    b.timeout = 0.2  # only now: a test descheduled for 0.2 s must not fail a receive whose bytes had arrived
     with pytest.raises(CollectiveError, match="did not answer"):
         b.broadcast(None, src=0)  # rank 0 is alive and silent
     a.close()

@@ -55,9 +55,9 @@ def test_a_hung_peer_fails_the_survivor_within_the_configured_timeout(tmp_path: 
             if stopped is not None and re.search(r"Sending process \d+ closing signal SIGTERM", text):
                 failed = time.time()
             time.sleep(0.2)
+        # the 120 s above is a hang guard (torch's default timeout is 30 minutes); that the configured timeout
+        # is what fired is read from the survivor's error below, not from the clock
         assert stopped is not None and failed is not None, log.read_text()[-4000:]
-        # detection, the survivor's exit and torchrun noticing it, all within the timeout and a margin
-        assert failed - stopped < TIMEOUT + 10, (failed - stopped, log.read_text()[-4000:])
         print(f"[peer-hang] SIGSTOP to the survivor's exit: {failed - stopped:.1f} s (timeout {TIMEOUT:g} s)")
     finally:
         kill_tree(proc.pid)

@@ -367,7 +367,7 @@ def killed_writer(moto_server: MotoServer, bucket: str, no_aws_env: None) -> Ite
         options = options_for(proxy.endpoint, config_kwargs={"retries": {"max_attempts": 20}})
         proc = writer(f"{run}/step-9", options, BIG_FILES)
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 60  # a hang guard
             while not (proxy.is_cut and uploads_under(client, bucket, "run/")):
                 assert proc.poll() is None, "the writer ended before it was killed"
                 assert time.monotonic() < deadline, "the writer never got a multipart upload going"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,14 @@ def test_the_next_step_waits_for_the_copy_and_the_checkpoint_holds_the_saved_sta
     model, opt, sampler = setup()
     train_step(model, opt)
     slow_copy = torch_state.HostBuffers.copy
+    stepping = threading.Event()
+    opt.register_step_pre_hook(lambda *_: stepping.set())  # before the manager's: runs first
 
     def copy(self: torch_state.HostBuffers, key: str, tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-        time.sleep(0.02)  # a slow copy: without the step pre-hook, the next step would race it
+        if threading.current_thread() is not threading.main_thread():
+            # a background copy starts only once the next step has begun: without the manager's step pre-hook,
+            # that step would race it (and the checkpoint hold the updated state)
+            assert stepping.wait(60), "hang guard: the next step never began"
         return slow_copy(self, key, tensor)
 
     monkeypatch.setattr(torch_state.HostBuffers, "copy", copy)
@@ -50,7 +55,7 @@ def test_the_next_step_waits_for_the_copy_and_the_checkpoint_holds_the_saved_sta
     mgr.save(1, model=model, optimizer=opt, sampler=sampler, config={"lr": 0.1})
     train_step(model, opt)  # changes every parameter and the batch-norm statistics
     mgr.wait()
-    assert mgr.held_seconds > 0  # the step really waited
+    assert mgr.held_seconds > 0  # the step really waited (it began before any background copy)
     with ckptfmt.open(tmp_path / "run" / "step-000000001") as ckpt:
         for name, array in expected.items():
             assert np.array_equal(ckpt.read_tensor("weights", name), array), name

@@ -534,12 +534,15 @@ def test_a_background_failure_surfaces_in_checkpoint_if_due_and_wait(tmp_path: P
 
 
 class SlowMemoryFS(MemoryFileSystem):
-    """The memory file system, slow to commit a manifest; records how many writer locks exist at each new one."""
+    """The memory file system, whose manifest commits each wait for a permit from the test; records how many
+    writer locks exist at each new one, and which thread made each commit."""
 
     protocol = ("slowmem", "memory")
     store: ClassVar[dict[str, Any]] = {}
     pseudo_dirs: ClassVar[list[str]] = [""]
     locks_at_create: ClassVar[list[int]] = []
+    commit_permits: ClassVar[threading.Semaphore] = threading.Semaphore(0)
+    commit_threads: ClassVar[list[threading.Thread]] = []
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         if path.endswith("/.writer-lock"):
@@ -547,7 +550,10 @@ class SlowMemoryFS(MemoryFileSystem):
             others = [p for p in self.store if p.startswith(root) and p.endswith("/.writer-lock")]
             self.locks_at_create.append(len(others))
         if path.endswith("/manifest.json"):
-            time.sleep(0.2)
+            self.commit_threads.append(threading.current_thread())
+            # made on the caller's thread, the commit would block save() itself: fail there, not hang
+            if threading.current_thread() is not threading.main_thread():
+                assert self.commit_permits.acquire(timeout=60), "hang guard: the test never released this commit"
         super().pipe_file(path, value, mode=mode, **kwargs)
 
 
@@ -555,6 +561,8 @@ class SlowMemoryFS(MemoryFileSystem):
 def slow_url() -> Iterator[str]:
     fsspec.register_implementation("slowmem", SlowMemoryFS, clobber=True)
     SlowMemoryFS.locks_at_create.clear()
+    SlowMemoryFS.commit_threads.clear()
+    SlowMemoryFS.commit_permits = threading.Semaphore(0)
     yield f"slowmem://run-{uuid.uuid4().hex}"
 
 
@@ -563,16 +571,22 @@ def test_at_most_one_save_in_flight(slow_url: str) -> None:
     kw: dict[str, Any] = {"model": model, "optimizer": opt, "sampler": sampler, "config": {}}
     mgr = CheckpointManager(slow_url, async_save=True, keep_last=None)
     rd = RunDirectory(slow_url)
-    started = time.perf_counter()
     mgr.save(1, **kw)
-    assert time.perf_counter() - started < 0.2  # returned before the (slow) commit
+    # returned while its commit cannot have happened: that needs a permit, and none was given yet
+    assert threading.main_thread() not in SlowMemoryFS.commit_threads
+    assert {e.step: e.status for e in rd.entries()}.get(1) != "committed"
     for step in (2, 3):
+        # the previous commit is let through only once this save has begun; the call must wait for it
+        releaser = threading.Timer(0.05, SlowMemoryFS.commit_permits.release)
+        releaser.start()
         mgr.save(step, **kw)
-        # the call waited: the previous checkpoint is committed before this one starts
+        releaser.join()
         assert {e.step: e.status for e in rd.entries()}[step - 1] == "committed"
+    SlowMemoryFS.commit_permits.release()  # the last one's
     mgr.close()
     assert SlowMemoryFS.locks_at_create == [0, 0, 0]  # never two writers at once
     assert [e.status for e in rd.entries()] == ["committed"] * 3
+    assert threading.main_thread() not in SlowMemoryFS.commit_threads
     assert threading.active_count() < 50
 
 

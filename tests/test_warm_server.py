@@ -70,9 +70,9 @@ def run(server: WarmServer, *argv: str, cwd: Path) -> subprocess.CompletedProces
 
 
 def pid_in(path: Path) -> int:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # a hang guard
     while not (path.exists() and path.read_text()):
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, f"the command never wrote its pid to {path}"
         time.sleep(0.05)
     return int(path.read_text())
 
@@ -89,7 +89,8 @@ def state(pid: int) -> str:
 
 
 def gone(pid: int) -> bool:
-    deadline = time.monotonic() + 10
+    """Whether ``pid`` exits, polled for at most 60 s (a hang guard: it was sent SIGKILL or a fatal signal)."""
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]

@@ -90,9 +90,14 @@ class WarmServer:
         return self.command("-m", "torch.distributed.run", *options, "--no-python", *self.command(str(script), *args))
 
     def close(self) -> None:
+        """Stop the server; it SIGKILLs the group of every command still running (``_serve``)."""
         if self._process.poll() is None:
             self._process.terminate()
-            self._process.wait(30)
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:  # a hang guard: it exits at once on SIGTERM
+                self._process.kill()
+                self._process.wait()
         self._dir.cleanup()
 
     def __enter__(self) -> WarmServer:
@@ -107,14 +112,22 @@ _SHARED_LOCK = threading.Lock()  # the tests start runs from threads (concurrent
 
 
 def shared(name: str = "default") -> WarmServer:
-    """One server per ``name`` for the whole pytest process (the slow tests run in one), started on first use.
-    Two names are two servers: two string-hash seeds."""
+    """One server per ``name`` for the whole pytest process (the slow tests run in one), started on first use
+    and stopped at the session's end (tests/conftest.py), or at exit. Two names are two servers: two string-hash
+    seeds."""
     with _SHARED_LOCK:
         if name not in _SHARED:
             if not _SHARED:
-                atexit.register(lambda: [server.close() for server in _SHARED.values()])
+                atexit.register(close_shared)
             _SHARED[name] = WarmServer()
         return _SHARED[name]
+
+
+def close_shared() -> None:
+    """Stop every shared server (a later ``shared`` starts a new one)."""
+    with _SHARED_LOCK:
+        while _SHARED:
+            _SHARED.popitem()[1].close()
 
 
 # ---------------------------------------------------------------- the server
@@ -343,6 +356,10 @@ def _is_open(fd: int) -> bool:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        _serve(sys.argv[2], sys.argv[3:])
+        try:
+            _serve(sys.argv[2], sys.argv[3:])
+        except SystemExit as exc:  # SIGTERM (close): every command's group is SIGKILLed by now
+            sys.stdout.flush()
+            os._exit(_exit_code(exc))  # not the 2 s an interpreter that imported torch takes to finalize
     else:
         _launch(sys.argv[1], sys.argv[2:])
