@@ -155,6 +155,22 @@ def test_an_honest_transfer_fits_the_bounds_it_is_given(tmp_path: Path) -> None:
     assert out[1].checkpoint_id == checkpoint_id(manifest) and sorted(f.path for f in out[1].files) == sorted(files)
 
 
+@pytest.mark.parametrize("cut", [0, 5, 127])
+def test_a_piece_cut_short_is_damage_and_the_receiver_waits_for_no_more_than_was_sent(tmp_path: Path, cut: int) -> None:
+    """A damaged sender's piece shorter than the manifest says (found by tests/hostile/peer_campaign.py): the
+    receiver counted its bytes, waited for a piece that never comes and waited out its timeout; the pieces are of a
+    known length, so a short one is damage, and the receiver reads exactly the messages that were sent."""
+    source, manifest, files = snapshot(tmp_path)
+    data_file = next(p for p in files if p.endswith(".safetensors"))
+    piece = source.read(data_file)
+    head = b"\x00" + bytes(8)  # status OK and some hash: the length is what is wrong
+    channel = Announcing([header(manifest, [data_file]), manifest, head + piece[:cut]])
+    with pytest.raises(CheckpointError, match=r"has \d+ bytes, not \d+") as caught:
+        receive_files(channel, src=1, tag=3, destination=SlotStore(tmp_path / "dest"), max_paths=1)
+    assert caught.value.path == data_file and not channel.script  # every message read, none awaited
+    assert not (tmp_path / "dest" / data_file).exists()
+
+
 # ---------------------------------------------------------------- a replica round's receives
 
 
