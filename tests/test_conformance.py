@@ -147,7 +147,7 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 188
+    assert len(result.spec) == 194
     assert result.by_tests == {
         "BLK-5",
         "REF-13",
@@ -160,6 +160,7 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
         "COM-22",
         "COM-23",
         "COM-24",
+        "COM-25",
         "MEM-2",
         "MEM-4",
         "MEM-5",
@@ -169,6 +170,11 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
         "MEM-10",
         "MEM-11",
         "MEM-12",
+        "MEM-13",
+        "MEM-14",
+        "MEM-15",
+        "MEM-16",
+        "MEM-17",
         "PTH-5",
         "SAF-17",
         "COM-3",

@@ -10,6 +10,7 @@ Interleavings are made deterministic with events: the background copy waits unti
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -360,3 +361,68 @@ def test_a_normal_training_loop_never_trips_the_check(
     with ckptfmt.open(tmp_path / "run" / "step-000000005") as ckpt:
         for name, array in expected.items():
             assert np.array_equal(ckpt.read_tensor("weights", name), array), name
+
+
+# ---------------------------------------------------------------- two gloo ranks: one rank's change fails both at once
+
+TWO_RANKS = """
+import json, os, sys, threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckptfmt.errors import CheckpointError
+from ckptfmt.torch import CheckpointManager
+from ckptfmt.torch.sampler import ResumableSampler
+from ckptfmt.torch.state import Snapshot
+
+rank = int(os.environ["RANK"])
+# the peer timeout is long: a rank left waiting for the other would fail with a timeout, not the errors asserted
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=150))
+torch.manual_seed(0)
+model = nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+reached, go = threading.Event(), threading.Event()
+materialize = Snapshot.materialize
+
+def held(snap, buffers):
+    if threading.current_thread() is not threading.main_thread():
+        reached.set()
+        go.wait(120)
+    materialize(snap, buffers)
+
+Snapshot.materialize = held
+mgr = CheckpointManager(sys.argv[1], async_save=True, preemption_signals=())
+objects = {"model": model, "optimizer": opt, "config": {"lr": 0.1}, "sampler": ResumableSampler(64, seed=1)}
+mgr.checkpoint_if_due(1, every=1, **objects)
+reached.wait(120)
+if rank == 1:
+    with torch.no_grad():
+        model.weight.mul_(0.999)  # an EMA update after checkpoint_if_due, on one rank
+go.set()
+try:
+    mgr.wait()
+    outcome = "saved"
+except CheckpointError as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"outcome": outcome}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.slow  # two processes
+def test_one_rank_s_in_place_change_fails_the_async_save_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Every rank agrees that its state was captured before any writes: before, the failing rank never opened the
+    writer and the other waited in the collective commit until its peer timeout; a failing rank that opened it and
+    aborted put the two out of step (the other read its abort as the rng field)."""
+    from process_ranks import launch
+
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_RANKS)
+    results = launch(script, [str(tmp_path / "run")], 2, timeout=240)
+    said = [json.loads(r.stdout.strip().splitlines()[-1])["outcome"] for r in results]
+    for outcome in said:  # the same error on both ranks, naming the rank that changed its tensor
+        assert outcome.startswith("SourceChangedError") and "rank 1: changed in place" in outcome, said
+    assert not (tmp_path / "run" / "step-000000001" / "manifest.json").exists()

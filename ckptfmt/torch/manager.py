@@ -31,6 +31,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -44,8 +45,10 @@ import torch
 
 from .. import provenance as prov
 from ..collective import Collective, PeerChannel
-from ..errors import CheckpointError, UsageError
+from ..decide import decide
+from ..errors import CheckpointError, MalformedMessageError, UsageError
 from ..incremental import RawDigests
+from ..jsonio import load_json
 from ..manifest_parse import parse_manifest
 from ..reader import Checkpoint, open_checkpoint
 from ..run import RunDirectory, checkpoint_name
@@ -62,6 +65,8 @@ from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
 SINCE_FULL = "ckptfmt.incremental.since_full"  # manifest metadata: saves since the last self-contained one
+MAX_REPORT_BYTES = 1 << 20  # one rank's restore report (its skipped list names each checkpoint passed over)
+_PLAIN_NAME = re.compile(r"[^/\\\x00]{1,255}")  # one path segment
 
 
 class CheckpointManager:
@@ -90,6 +95,7 @@ class CheckpointManager:
         incremental: bool = False,
         full_every: int = 10,
         frozen: Collection[str] = (),
+        close_timeout: float | None = None,
     ) -> None:
         if memory_every < 0:
             raise UsageError("memory_every must be 0 (off) or a number of steps")
@@ -158,6 +164,8 @@ class CheckpointManager:
                 on_persisted=self._on_persisted,
                 replicate=replicate,
                 channel=channel,
+                write_durable=self._write_durable,
+                close_timeout=close_timeout,
             )
         self._previous_handlers: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -346,7 +354,7 @@ class CheckpointManager:
         name = checkpoint_name(step)
         self._step = step
         if self._pool is None:
-            self._persist(name, step, snap)
+            self._persist(name, step, snap, group=self.collective)
             return
         # Parameters and optimizer state change only in optimizer.step(): they are copied in the
         # background while the next forward and backward run, and the next step waits for the copy.
@@ -363,13 +371,45 @@ class CheckpointManager:
         self._inflight = self._pool.submit(self._copy_and_persist, name, step, snap, copied)
 
     def _copy_and_persist(self, name: str, step: int, snap: Snapshot, copied: threading.Event) -> str:
+        problem: CheckpointError | None = None
         try:
             snap.materialize(self._buffers)
+        except CheckpointError as exc:
+            if self.collective is None:
+                raise
+            # the others are about to meet in the writer's collective calls: this rank opens the writer too and
+            # aborts it, so that they fail now instead of waiting out the peer timeout (a SourceChangedError here
+            # is one rank's in-place change)
+            problem = exc
         finally:
             copied.set()  # even on failure: never leave the trainer's optimizer blocked
-        return self._persist(name, step, snap)
+        return self._persist(name, step, snap, group=self.collective, problem=problem)
 
-    def _persist(self, name: str, step: int, snap: Snapshot) -> str:
+    def _write_durable(self, step: int, snap: Snapshot, problem: CheckpointError | None) -> None:
+        """The memory tier's background thread, on every rank together: a durable save fell due at a step whose memory
+        snapshot was not taken, so ``snap`` (that step's state) is written straight to the run directory, as a save
+        without the memory tier is, over the memory tier's own process group. ``problem``: this rank's state could
+        not be taken, which fails the save on every rank."""
+        assert self._memory is not None
+        self._persist(checkpoint_name(step), step, snap, group=self._memory.collective, problem=problem)
+
+    def _persist(
+        self,
+        name: str,
+        step: int,
+        snap: Snapshot,
+        *,
+        group: Collective | None,
+        problem: CheckpointError | None = None,
+    ) -> str:
+        """Write ``snap`` as the run directory's ``name`` and commit it (every rank of ``group`` together);
+        ``problem``, this rank's reason not to write it, fails it on every rank, before any rank starts writing."""
+        if group is not None:
+            # Every rank agrees first: a rank that stopped inside the writer's exchanges (its commit, the rng
+            # gather) would leave the others out of step with it, each reading the other's messages as its own.
+            decide(group, problem if problem is not None else True, _all_ready, what=f"the save of step {step}")
+        elif problem is not None:
+            raise problem
         store = open_store(self.run.child_url(name), self.run.storage_options)
         base, depth = self._base_for(name)
 
@@ -378,7 +418,7 @@ class CheckpointManager:
                 store,
                 profile="training",
                 overwrite=True,
-                collective=self.collective,
+                collective=group,
                 codec=self.codec,
                 base=base,
                 frozen=self.frozen if base is not None else (),
@@ -435,23 +475,43 @@ class CheckpointManager:
         return self.collective is None or self.collective.rank == 0
 
     def _agree(self, ok: bool) -> bool:
-        """Whether every rank can use the checkpoint at hand (one rank's failure fails it for all)."""
-        if self.collective is None:
-            return ok
-        votes = self.collective.gather(b"1" if ok else b"0", dst=0)
-        verdict = b"1" if votes is not None and all(v == b"1" for v in votes) else b"0"
-        return self.collective.broadcast(verdict if self.collective.rank == 0 else None, src=0) == b"1"
+        """Whether every rank can use the checkpoint at hand (one rank's failure fails it for all; a rank whose vote
+        is not a boolean is named in the error every rank raises)."""
+
+        def all_yes(votes: Sequence[object]) -> bool:
+            for rank, vote in enumerate(votes):
+                if not isinstance(vote, bool):
+                    raise MalformedMessageError(f"rank {rank} voted {str(vote)[:40]} on a checkpoint, not a boolean")
+            return all(votes)
+
+        verdict = decide(self.collective, ok, all_yes, what="whether every rank can use the checkpoint", max_size=64)
+        if not isinstance(verdict, bool):
+            raise MalformedMessageError(f"rank 0 decided {str(verdict)[:40]} on a checkpoint, not a boolean")
+        return verdict
 
     def _candidates(self) -> list[tuple[str, int | None, str]]:
-        """(name, step, status) of the run's checkpoints, newest first: rank 0's listing, on every rank."""
-        listing: list[tuple[str, int | None, str]] = [(e.name, e.step, e.status) for e in self.run.entries()]
-        if self.collective is None:
-            return listing
-        data = json.dumps(listing).encode() if self.collective.rank == 0 else None
-        return [
-            (str(n), s if isinstance(s, int) else None, str(t))
-            for n, s, t in json.loads(self.collective.broadcast(data, src=0))
-        ]
+        """(name, step, status) of the run's checkpoints, newest first: rank 0's listing, on every rank (each entry
+        checked alike on every rank: a name is one plain path segment of the run directory)."""
+
+        def listing(_: Sequence[object]) -> list[list[object]]:
+            return [[e.name, e.step, e.status] for e in self.run.entries()]
+
+        decided = decide(self.collective, None, listing, what="the run directory's checkpoints", max_size=64)
+        if not isinstance(decided, list):
+            raise MalformedMessageError("rank 0 sent a malformed listing of the run directory")
+        out: list[tuple[str, int | None, str]] = []
+        for entry in decided:
+            if not (isinstance(entry, list) and len(entry) == 3):
+                raise MalformedMessageError(f"rank 0 sent a malformed run directory entry: {str(entry)[:80]}")
+            name, step, status = entry
+            if not isinstance(name, str) or _PLAIN_NAME.fullmatch(name) is None or name in (".", ".."):
+                raise MalformedMessageError(f"rank 0 sent a run directory entry named {str(name)[:80]!r}")
+            if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+                raise MalformedMessageError(f"rank 0 sent step {str(step)[:40]} for {name}")
+            if not isinstance(status, str) or len(status) > 64:
+                raise MalformedMessageError(f"rank 0 sent a malformed status for {name}")
+            out.append((name, step, status))
+        return out
 
     def wait(self) -> str | None:
         """Block until the save in flight is durable; raise its error if it failed."""
@@ -661,10 +721,22 @@ class CheckpointManager:
     def _record_restore(self, report: RestoreReport) -> None:
         """Every rank's report, gathered; rank 0 logs it and writes it beside the checkpoints (``ckpt ls`` shows it)."""
         mine = json.dumps(report.to_dict()).encode("utf-8")
-        gathered = self.collective.gather(mine, dst=0) if self.collective is not None else [mine]
+        gathered = (
+            self.collective.gather(mine, dst=0, max_size=MAX_REPORT_BYTES) if self.collective is not None else [mine]
+        )
         if gathered is None:
             return
-        doc = {**report.to_dict(), "ranks": [json.loads(g) for g in gathered]}
+        ranks: list[object] = []
+        for rank, data in enumerate(gathered):  # each rank's report, as hostile input: a bad one is recorded as such
+            try:
+                ranks.append(
+                    load_json(
+                        data, error=MalformedMessageError, what=f"the restore report of rank {rank}", allow_float=True
+                    )
+                )
+            except CheckpointError as exc:
+                ranks.append({"rank": rank, "error": str(exc)})
+        doc = {**report.to_dict(), "ranks": ranks}
         log.info("restore report: %s", json.dumps(report.to_dict()))
         try:
             self.run.record_restore(doc)
@@ -681,6 +753,11 @@ class CheckpointManager:
         if self._memory is not None and self._memory.across_nodes:
             started = time.perf_counter()
             self._agreed = self._memory.agreed()
+            try:
+                options = self._agreed.options()
+            except CheckpointError as exc:  # the same error on every rank (ckptfmt.decide): all pass over memory
+                log.warning("skipping the memory tier: its holdings could not be agreed on: %s", exc)
+                options = []
             found += [
                 Candidate(
                     label=f"memory step {o.step} ({o.checkpoint_id[:23]})",
@@ -690,7 +767,7 @@ class CheckpointManager:
                     tier="memory",
                     option=o,
                 )
-                for o in self._agreed.options()
+                for o in options
             ]
             self._agree_seconds = time.perf_counter() - started
         elif self._memory is not None:
@@ -720,11 +797,14 @@ class CheckpointManager:
         """Wait for the save in flight, stop the background threads, restore signal handlers.
 
         With the memory tier, the newest snapshot is persisted first unless the run directory has it already
-        (``persist=False``: leave it in memory only, as a crash would; ``ckpt rescue`` can still persist it).
+        (``persist=False``: leave it in memory only, as a crash would; ``ckpt rescue`` can still persist it). A wait
+        for a durable copy still running (a restored snapshot's, say) is logged; ``close_timeout=`` (seconds, given
+        to the constructor) bounds it, abandoning a copy that outlasts it, whose snapshot then stays in memory.
         """
         atexit.unregister(self._at_exit)
         try:
-            self.wait()
+            if self._memory is None:  # the memory tier's close waits for its copies itself, saying so (bounded)
+                self.wait()
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
@@ -739,6 +819,11 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _all_ready(values: Sequence[object]) -> bool:
+    """Every rank's state was captured: the save goes ahead (``decide`` only calls this when none failed)."""
+    return True
 
 
 def _since_full(metadata: Mapping[str, str]) -> int:

@@ -19,27 +19,47 @@ A durable save is a persist of a committed slot (:func:`ckptfmt.tier.persist`): 
 node's slot into the run directory in a throttled background thread; the slot is held out of the ring
 until the copy is done. On SIGTERM the newest committed slot is persisted at once by a watcher thread
 (it runs even while the trainer's thread is blocked in a collective with a dead peer).
+
+The slot holding the newest committed snapshot is never rewritten (spec/memory.md MEM-2): a two-slot ring
+has a third, spare slot, written only while a slot is held for a durable copy and the other holds the newest
+snapshot; without room for it (the capacity check), such a snapshot is skipped.
+
+A snapshot that cannot be taken (no room in the memory directory, a failed write, a source changed during
+its copy) is skipped on every rank together, with a warning: the older slots still hold, the capacity is
+checked again before the next one, and training goes on. A durable save that falls due at such a step is
+written from the live state straight to the run directory (the caller's ``write_durable``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..collective import Collective, PeerChannel, decode_status, encode_status
-from ..errors import CheckpointError, CheckpointExistsError, MemoryCapacityError, UsageError
-from ..manifest import MAX_MANIFEST_BYTES, FileRecord
-from ..run import RunDirectory
+from ..collective import Collective, PeerChannel
+from ..decide import decide
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CollectiveError,
+    MalformedMessageError,
+    MemoryCapacityError,
+    StorageError,
+    UsageError,
+)
+from ..manifest import MAX_MANIFEST_BYTES, FileRecord, checkpoint_id
+from ..reader import read_manifest_bytes
+from ..run import RunDirectory, checkpoint_name
+from ..storage import open_store
 from ..storage.slot import SlotStore
 from ..tier import MemoryTier, Slot, SlotBinding, Throttle, node_key, persist, run_identity
 from ..tier.agreed import AgreedRestore
@@ -54,6 +74,9 @@ from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
 
+CHECKPOINT_ID = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_STATE_BYTES = 1 << 62  # what a rank may say its snapshot holds (a larger count is a malformed message)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryCandidate:
@@ -62,6 +85,59 @@ class MemoryCandidate:
     step: int
     url: str
     checkpoint_id: str
+    slot: int  # its index in this node's ring (url is that slot's path here)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _byte_counts(values: object, *, expected: int | None = None) -> list[int]:
+    """Every rank's snapshot bytes, checked: one non-negative count per rank (the first malformed one named)."""
+    if not isinstance(values, list) or (expected is not None and len(values) != expected):
+        raise MalformedMessageError("the snapshot sizes are not one count per rank")
+    for rank, value in enumerate(values):
+        if not _is_int(value) or not 0 <= value <= MAX_STATE_BYTES:
+            raise MalformedMessageError(f"rank {rank} reported {str(value)[:40]} snapshot bytes, not a count")
+    return values
+
+
+def _spare_fits(values: Sequence[object]) -> bool:
+    """The node leaders' capacity verdicts (the others send None): whether every node has room for a spare slot."""
+    fits = True
+    for rank, value in enumerate(values):
+        if value is None:
+            continue
+        if not (isinstance(value, dict) and set(value) == {"spare"} and isinstance(value["spare"], bool)):
+            raise MalformedMessageError(f"rank {rank} sent a malformed memory capacity verdict")
+        fits = fits and value["spare"]
+    return fits
+
+
+def _one_bool(what: str, combine: Callable[[list[bool]], bool]) -> Callable[[Sequence[object]], bool]:
+    """A decision over one boolean from every rank (a rank that sends anything else is named)."""
+
+    def decide_fn(values: Sequence[object]) -> bool:
+        for rank, value in enumerate(values):
+            if not isinstance(value, bool):
+                raise MalformedMessageError(f"rank {rank} sent {str(value)[:40]} as {what}, not a boolean")
+        return combine([bool(v) for v in values])
+
+    return decide_fn
+
+
+def _as_error(exc: BaseException, rank: int) -> CheckpointError:
+    """What a rank contributes to a decision when its part failed: a CheckpointError (an OSError, a bug's raw
+    error wrapped, naming the rank)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        return StorageError(f"rank {rank}: {exc}")
+    return CollectiveError(f"rank {rank} failed: {exc!r}")
+
+
+def _step_of(snap: Snapshot) -> int:
+    return int(snap.contexts.get("provenance", {}).get("step", 0))
 
 
 def state_bytes(snap: Snapshot) -> int:
@@ -71,6 +147,27 @@ def state_bytes(snap: Snapshot) -> int:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         total += local.numel() * local.element_size()
     return total
+
+
+class _Abandoned(Exception):
+    """Raised inside a persist's copy loop when close() stops waiting for it (its close_timeout ran out); the
+    persist aborts (no manifest, its files and lock removed) and :meth:`MemorySnapshots._persist_held` says so."""
+
+
+class _CopyThrottle(Throttle):
+    """A persist's throttle that close() lifts (nothing trains beside the copy any more) and cuts off once its
+    ``close_timeout`` ran out (checked after each piece of the copy)."""
+
+    def __init__(self, duty: float, tier: MemorySnapshots) -> None:
+        super().__init__(duty)
+        self._tier = tier
+
+    def after(self, seconds: float) -> None:
+        deadline = self._tier._deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _Abandoned
+        if not self._tier._closing:
+            super().after(seconds)
 
 
 class MemorySnapshots:
@@ -88,9 +185,18 @@ class MemorySnapshots:
         on_persisted: Callable[[Persisted], None] | None = None,
         replicate: bool = False,
         channel: PeerChannel | None = None,
+        write_durable: Callable[[int, Snapshot, CheckpointError | None], None] | None = None,
+        close_timeout: float | None = None,
     ) -> None:
+        if close_timeout is not None and close_timeout < 0:
+            raise UsageError("close_timeout must be None (wait until done) or a number of seconds")
         self.run = run
-        self.tier = MemoryTier(memory_dir, run.url, slots=slots)
+        # MEM-2: with one slot of a two-slot ring held for a durable copy, the other holds the newest snapshot;
+        # a spare slot (the ring's last) is written then instead of it. A ring of three or more always has
+        # a slot that is neither held nor the newest.
+        self.ring_slots = slots
+        self.tier = MemoryTier(memory_dir, run.url, slots=slots + 1 if slots == 2 else slots)
+        self.spare = False  # the memory directory has room for the spare slot (the capacity check, all ranks)
         self.collective = collective
         self.rank = collective.rank if collective is not None else 0
         self.node = node_key()
@@ -104,6 +210,9 @@ class MemorySnapshots:
         self.nodes = NodeMap.gather(collective, self.node)
         self.channel = channel
         self.tier.ensure()
+        # the ranks of each node prove that they share the memory directory (MEM-15), every rank together: ranks
+        # with one node key but private /dev/shm are refused here, not at the first snapshot's commit
+        self.nodes.prove_shared(collective, self.tier.root)
         self.replicator: Replicator | None = None
         # a restore across nodes: the job spans several, or it asked for replicas (a job shrunk onto one node
         # after a node loss reads its own slots and the copies that node holds of the lost one's files)
@@ -131,10 +240,21 @@ class MemorySnapshots:
         self._gated: Any = None  # the optimizer the step gate is registered on
         self._gate: Any = None
         self._checked_capacity = False
+        self._recheck = False  # a snapshot failed: check the capacity again before the next one
+        self.write_durable = write_durable
+        self._failing: set[int] = set()  # slots whose last write failed (rank 0's view)
+        self._writing: int | None = None  # the slot of the snapshot being written
+        self._refused: CheckpointError | None = None  # why this snapshot's copies are not to be written anywhere
+        self.close_timeout = close_timeout
+        self._closing = False  # close() runs: nothing trains beside a copy any more, so it is not throttled
+        self._deadline: float | None = None  # time.monotonic() after which close() abandons a copy
+        self._copying: tuple[int, int] | None = None  # (slot, step) that the persister copies now
+        self.durable_step: int | None = None  # the newest step made durable by this process
         self.buffers = HostBuffers(pinned=True) if torch.cuda.is_available() else None
         self.newest: tuple[int, int, str] | None = None  # (slot, step, checkpoint id) of the newest commit
         self.snapshots = 0
-        self.skipped = 0
+        self.skipped = 0  # snapshots not taken: no slot could be written (MEM-2), or their write failed
+        self.failed = 0  # of those, the ones whose write failed (every rank counts the same)
         self.capture_seconds = 0.0  # the trainer's thread, in snapshot()
         self.held_seconds = 0.0  # optimizer.step() waiting for a snapshot's bytes
         self.last_persisted: Persisted | None = None
@@ -144,43 +264,63 @@ class MemorySnapshots:
     # ---------------------------------------------------------------- set-up
 
     def check_capacity(self, per_rank: int) -> None:
-        """Refuse slots that would not fit the memory directory (all ranks raise the same error)."""
-        totals = [per_rank]
-        if self.collective is not None:
-            gathered = self.collective.gather(str(per_rank).encode(), dst=0)
-            totals = [int(g) for g in gathered] if gathered is not None else []
-        # every node checks its own memory directory for its ranks' share (and, with replicas, one more share:
-        # its partners' copies); the first refusal is every rank's
-        verdict: bytes | None = None
-        if self.collective is not None:
-            shares = json.dumps(totals).encode() if self.rank == 0 else None
-            totals = json.loads(self.collective.broadcast(shares, src=0))
-        error: MemoryCapacityError | None = None
+        """Refuse slots that would not fit the memory directory (all ranks raise the same error); find whether the
+        spare slot fits too (``self.spare``, the same on every rank).
+
+        Two decisions of every rank (:func:`~ckptfmt.decide.decide`): the ranks' snapshot sizes, then every node
+        leader's look at its own memory directory for its ranks' share (and, with replicas, one more share: its
+        partners' copies)."""
+        decided = decide(
+            self.collective, per_rank, lambda values: _byte_counts(list(values)), what="the snapshot sizes", max_size=64
+        )
+        totals = _byte_counts(decided, expected=self.world_size)
+        verdict: dict[str, bool] | CheckpointError | None = None
         if self.nodes.leader(self.node) == self.rank:
             mine = sum(totals[r] for r in self.nodes.ranks_of(self.node))
+            sources: set[int] = set()  # whose copies this node's ranks receive (rewritten in place by the rounds)
             if self.replicator is not None:
                 mine *= 2
+                sources = {s for r in self.nodes.ranks_of(self.node) for s in self.nodes.sources_of(r)}
             try:
-                self.tier.check_capacity(mine)
-            except MemoryCapacityError as exc:
-                error = exc
-        if self.collective is not None:
-            statuses = self.collective.gather(encode_status(error), dst=0)
-            if statuses is not None:
-                verdict = next((s for s in statuses if b'"error"' in s), encode_status(None))
-            verdict = self.collective.broadcast(verdict, src=0)
-        else:
-            verdict = encode_status(error)
-        decode_status(verdict)
+                verdict = {"spare": self._room(mine, sources)}
+            except CheckpointError as exc:
+                verdict = exc
+        spare = decide(self.collective, verdict, _spare_fits, what="the memory capacity check", max_size=64 << 10)
+        if not isinstance(spare, bool):
+            raise MalformedMessageError(f"the memory capacity check decided {spare!r}, not a boolean")
+        if self.tier.slot_count > self.ring_slots and not spare and self.rank == 0:
+            log.warning(
+                "%s has room for %d memory slots but not for a spare one: a snapshot that falls due while a slot "
+                "is being persisted and the other holds the newest snapshot is skipped (spec/memory.md MEM-2)",
+                self.tier.memory_dir,
+                self.ring_slots,
+            )
+        self.spare = spare
         self._checked_capacity = True
+        self._recheck = False
+
+    def _room(self, share: int, sources: set[int]) -> bool:
+        """Whether this node's memory directory fits the ring and its spare slot (True), the ring alone (False);
+        MemoryCapacityError when not even the ring fits."""
+        try:
+            self.tier.check_capacity(share, peer_sources=sources)
+            return self.tier.slot_count > self.ring_slots
+        except MemoryCapacityError:
+            if self.tier.slot_count == self.ring_slots:
+                raise
+        ring = MemoryTier(self.tier.memory_dir, self.run.url, slots=self.ring_slots)
+        ring.check_capacity(share, peer_sources=sources)
+        return False
 
     # ---------------------------------------------------------------- restore
 
     def candidates(self) -> list[MemoryCandidate]:
-        """This run's and node's committed slots, newest first (rank 0 looks; every rank gets its answer).
-        Slots of another run or node, torn or invalid ones are logged with the reason and left out."""
-        found: list[MemoryCandidate] = []
-        if self.rank == 0:
+        """This run's and node's committed slots, newest first (rank 0 looks; every rank gets its answer, each
+        slot named by its index in this rank's own ring). Slots of another run or node, torn or invalid ones are
+        logged with the reason and left out."""
+
+        def listing(_: Sequence[object]) -> list[tuple[int, int, str]]:
+            found: list[tuple[int, int, str]] = []
             for slot in self.tier.slots():
                 if slot.status == "empty":
                     continue
@@ -198,15 +338,31 @@ class MemorySnapshots:
                         self.run.url,
                     )
                     continue
-                found.append(MemoryCandidate(step=slot.binding.step, url=slot.path, checkpoint_id=slot.checkpoint_id))
-            found.sort(key=lambda c: c.step, reverse=True)
-        if self.collective is None:
+                found.append((slot.binding.step, slot.index, slot.checkpoint_id))
+            found.sort(key=lambda c: c[0], reverse=True)
             return found
-        data = json.dumps([[c.step, c.url, c.checkpoint_id] for c in found]).encode() if self.rank == 0 else None
-        return [
-            MemoryCandidate(step=int(s), url=str(u), checkpoint_id=str(i))
-            for s, u, i in json.loads(self.collective.broadcast(data, src=0))
-        ]
+
+        decided = decide(self.collective, None, listing, what="the memory slots", max_size=64)
+        return self._parse_candidates(decided)
+
+    def _parse_candidates(self, decided: object) -> list[MemoryCandidate]:
+        """The coordinator's list of ``[step, slot index, checkpoint id]``, checked as the hostile input it may be
+        (the same checks on every rank, so every rank accepts or refuses it alike)."""
+        if not isinstance(decided, list) or len(decided) > self.tier.slot_count:
+            raise MalformedMessageError("rank 0 sent a malformed list of memory slots")
+        out: list[MemoryCandidate] = []
+        for entry in decided:
+            if not (isinstance(entry, list) and len(entry) == 3):
+                raise MalformedMessageError(f"rank 0 sent a malformed memory slot entry: {str(entry)[:80]}")
+            step, index, ckpt_id = entry
+            if not _is_int(step) or step < 0:
+                raise MalformedMessageError(f"rank 0 sent a memory slot with step {str(step)[:40]}")
+            if not _is_int(index) or not 0 <= index < self.tier.slot_count:
+                raise MalformedMessageError(f"rank 0 sent memory slot index {str(index)[:40]}")
+            if not isinstance(ckpt_id, str) or CHECKPOINT_ID.fullmatch(ckpt_id) is None:
+                raise MalformedMessageError(f"rank 0 sent a memory slot with checkpoint id {str(ckpt_id)[:80]!r}")
+            out.append(MemoryCandidate(step=step, url=self.tier.slot_path(index), checkpoint_id=ckpt_id, slot=index))
+        return out
 
     def agreed(self) -> AgreedRestore:
         """The restore across nodes (several nodes, or replicas): what every node holds, agreed on every rank."""
@@ -225,8 +381,8 @@ class MemorySnapshots:
         """After a restore of ``step`` (from ``candidate``, or from the run directory when None): slots holding a
         newer step are not this trajectory's (they failed, or another rank could not use them) and go back to the
         ring to be rewritten, never persisted; a restored snapshot the run directory lacks is persisted in the
-        background (rank 0), so it outlives this node."""
-        slot = int(candidate.url.rstrip("/").rpartition("-")[2]) if candidate is not None else None
+        background (rank 0), so it outlives this node (one the run directory holds already is not copied again)."""
+        slot = candidate.slot if candidate is not None else None
         if self.across_nodes:
             # a restore across nodes read from several directories, perhaps of another world: no slot here is
             # that snapshot whole, so none is adopted or persisted; every slot holding a newer step is dropped
@@ -240,8 +396,29 @@ class MemorySnapshots:
             for index, held in ring.items():
                 if held is not None and (held > step or (held == step and index != slot)):
                     ring[index] = None
-        if slot is not None:
+        if slot is None or candidate is None:
+            return
+        durable = self._durable_id(candidate.step)
+        if durable is None:
             self._submit_persist(slot)
+            return
+        self.durable_step = max(self.durable_step or -1, candidate.step)
+        # (a durable copy made with a codec has an id of its own: that the step is there is enough)
+        if durable != candidate.checkpoint_id and self.codec is None:
+            log.warning(
+                "%s holds another checkpoint of step %d: the restored memory snapshot was not persisted there",
+                self.run.child_url(checkpoint_name(candidate.step)),
+                candidate.step,
+            )
+
+    def _durable_id(self, step: int) -> str | None:
+        """The checkpoint id of the run directory's committed ``step-<step>``; None when there is none (or it cannot
+        be read: then a persist finds out what is there)."""
+        try:
+            store = open_store(self.run.child_url(checkpoint_name(step)), self.run.storage_options)
+            return checkpoint_id(read_manifest_bytes(store))
+        except CheckpointError:
+            return None
 
     # ---------------------------------------------------------------- snapshots
 
@@ -252,7 +429,17 @@ class MemorySnapshots:
         self.raise_background_error()  # a failed durable save is raised here, as an async save's is
         self.wait_snapshot()
         if not self._checked_capacity:
-            self.check_capacity(state_bytes(snap))
+            self.check_capacity(state_bytes(snap))  # before the first snapshot: a refusal is the caller's
+        elif self._recheck:
+            try:
+                self.check_capacity(state_bytes(snap))
+            except CheckpointError as exc:  # decided together: every rank skips this snapshot
+                self._not_taken(_step_of(snap), f"the memory directory has no room for it: {exc}", failed=False)
+                if persist:  # on this thread, written before it returns
+                    self._refused = None
+                    self._durable_instead(_step_of(snap), snap)
+                self.capture_seconds += time.perf_counter() - started
+                return
         self._gate_optimizer(optimizer)
         if self.buffers is not None and torch.cuda.is_available():
             self.buffers.source_stream = torch.cuda.current_stream()
@@ -295,69 +482,178 @@ class MemorySnapshots:
             why = f"written for run directory {binding.run_dir!r}"
         return why
 
-    def _choose_slot(self) -> int:
-        chosen: bytes | None = None
-        if self.rank == 0:
-            with self._lock:
-                ring = self._ring()
-                free = {s: step for s, step in ring.items() if not self._held.get(s)}
-                index = min(free, key=lambda s: (free[s] is not None, free[s] or 0, s)) if free else -1
-                if index >= 0:
-                    ring[index] = None  # being rewritten: no persist may start on it now
-            chosen = str(index).encode()
-        if self.collective is not None:
-            chosen = self.collective.broadcast(chosen, src=0)
-        assert chosen is not None
-        return int(chosen)
+    def _pick_slot(self) -> int:
+        """Rank 0: the slot the next snapshot goes to, or -1 when none may be written (MEM-2). Never a slot held for
+        a durable copy, never the one holding the newest committed snapshot (a crash while it is rewritten would
+        leave only older ones); of the others the oldest, an empty one first, the spare only when no other will do,
+        one whose last write failed (a planted symlink, a file it cannot rewrite) only when nothing else will."""
+        with self._lock:
+            ring = self._ring()
+            newest = self.newest[0] if self.newest is not None else None
+            usable = {
+                s: step
+                for s, step in ring.items()
+                if not self._held.get(s) and s != newest and (s < self.ring_slots or self.spare)
+            }
+            if not usable:
+                return -1
+            index = min(
+                usable,
+                key=lambda s: (s in self._failing, s >= self.ring_slots, usable[s] is not None, usable[s] or 0, s),
+            )
+            ring[index] = None  # being rewritten: no persist may start on it now
+            return index
+
+    def _choose_slot(self, step: int) -> int:
+        """Every rank: the slot rank 0 picked for the snapshot of ``step`` (-1: none may be written)."""
+        index = decide(
+            self.collective, None, lambda _: self._pick_slot(), what=f"the memory slot of step {step}", max_size=64
+        )
+        if not _is_int(index) or not -1 <= index < self.tier.slot_count:
+            raise MalformedMessageError(f"rank 0 chose memory slot {str(index)[:40]} for step {step}")
+        return int(index)
 
     def _write(self, snap: Snapshot, persist: bool) -> None:
-        step = int(snap.contexts.get("provenance", {}).get("step", 0))
+        """The background half of :meth:`snapshot`: the slot written and committed (every rank together), then its
+        replica round and durable copy. A snapshot that fails is skipped on every rank (the writer's commit and
+        :func:`~ckptfmt.decide.decide` make every rank learn one failure); its durable save, if one is due, is
+        written from the same state straight to the run directory."""
+        step = _step_of(snap)
+        # What staging changes in the snapshot, for a durable save staged again from it: rank 0's rng becomes every
+        # rank's, and the views' version counters are checked once (a torn state must fail that save too).
+        contexts, sources = dict(snap.contexts), list(snap.sources)
+        # Views of CPU tensors hold this step's state only while the next optimizer.step() is held: a durable save
+        # due now keeps it held until the snapshot's outcome is known, so that it can be written instead.
+        hold = persist and self.buffers is None
+        self._refused = None
+        self._writing = None
+        committed: tuple[int, dict[int, tuple[FileRecord, ...]]] | None = None
         try:
-            slot = self._choose_slot()
-            if slot < 0:  # every slot is being persisted: this step has no memory snapshot (never overwrite one)
-                self.skipped += 1
-                log.warning("memory snapshot of step %d skipped: every slot is being persisted", step)
-                return
-            snap.materialize(self.buffers)
-            spread = self.nodes.multi_node
-            binding = SlotBinding(
-                run_id=self.run_id,
-                run_dir=normalize_run_url(self.run.url),
-                node=self.node,
-                world_size=self.world_size,
-                step=step,
-                nodes=self.nodes.nodes if spread else (),
-            )
-            store = SlotStore(self.tier.writable_slot(slot))
-            writer = CheckpointWriter(
-                store,
-                profile="training",
-                overwrite=True,
-                collective=self.collective,
-                metadata=binding.to_metadata(),
-                store_of_rank=self.nodes.store_of_rank() if spread else None,
-            )
-            state.stage_snapshot(writer, snap)
             try:
-                writer.flush()
-            except BaseException:
-                writer.abort()
-                raise
-            local = self._write_local_replicas(snap)
+                committed = self._write_slot(snap, step, release=not hold)
+            except Exception as exc:  # every rank learnt it (the writer's commit, decide): all skip this snapshot
+                if not isinstance(exc, CheckpointError | OSError):
+                    log.error("memory snapshot of step %d: unexpected failure", step, exc_info=exc)
+                if self._writing is not None:
+                    self._failing.add(self._writing)
+                self._not_taken(step, f"{type(exc).__name__}: {exc}", failed=True)
+            if committed is None and persist:
+                snap.contexts.clear()
+                snap.contexts.update(contexts)
+                if self.buffers is None:
+                    snap.sources[:] = sources
+                self._durable_instead(step, snap)
         finally:
             self._copied.set()  # even on failure: never leave the trainer's optimizer blocked
-        ckpt_id = writer.commit()
-        self._files = [f.path for f in writer.result().files]
-        self.newest = (slot, step, ckpt_id)
-        if self.rank == 0:
-            with self._lock:
-                self._ring()[slot] = step
+        if committed is None:
+            return
+        slot, local = committed
         self._replicate(slot, step, local)
         if self.nodes.multi_node:
             if persist:
                 self._persist_spread(slot)
         elif self.rank == 0 and persist:
             self._submit_persist(slot)
+
+    def _write_slot(
+        self, snap: Snapshot, step: int, *, release: bool
+    ) -> tuple[int, dict[int, tuple[FileRecord, ...]]] | None:
+        """Write and commit ``snap`` into the slot rank 0 picks: (slot, local replicas), or None when no slot may be
+        written. Any failure is every rank's (raised on each). ``release``: let the trainer's next step run once
+        the bytes are in the slot, before the commit. Otherwise, and on a failure or a skip, the caller releases it,
+        after a durable save written instead has taken this step's state."""
+        slot = self._choose_slot(step)
+        if slot < 0:
+            self._not_taken(
+                step,
+                "no slot may be rewritten: one is being persisted and the other holds the newest snapshot "
+                "(spec/memory.md MEM-2)",
+                failed=False,
+            )
+            return None
+        self._writing = slot
+        # this rank's part before the collective writer starts: a failure here is decided on together, so that
+        # no rank starts a writer that the others never join
+        problem: CheckpointError | None = None
+        path = ""
+        copying = False
+        try:
+            path = self.tier.writable_slot(slot)
+            copying = True
+            snap.materialize(self.buffers)
+        except Exception as exc:
+            problem = _as_error(exc, self.rank)
+            if copying and not snap.deferred:
+                self._refused = problem  # copies made but not to be trusted (a source changed meanwhile)
+        decide(self.collective, problem, lambda _: None, what=f"the memory snapshot of step {step}", max_size=1 << 20)
+        spread = self.nodes.multi_node
+        binding = SlotBinding(
+            run_id=self.run_id,
+            run_dir=normalize_run_url(self.run.url),
+            node=self.node,
+            world_size=self.world_size,
+            step=step,
+            nodes=self.nodes.nodes if spread else (),
+        )
+        writer = CheckpointWriter(
+            SlotStore(path),
+            profile="training",
+            overwrite=True,
+            collective=self.collective,
+            metadata=binding.to_metadata(),
+            store_of_rank=self.nodes.store_of_rank() if spread else None,
+        )
+        state.stage_snapshot(writer, snap)
+        try:
+            writer.flush()
+        except BaseException:
+            writer.abort()
+            raise
+        local = self._write_local_replicas(snap)
+        if release:
+            self._copied.set()
+        ckpt_id = writer.commit()
+        self._files = [f.path for f in writer.result().files]
+        self.newest = (slot, step, ckpt_id)
+        self._failing.discard(slot)
+        if self.rank == 0:
+            with self._lock:
+                self._ring()[slot] = step
+        return slot, local
+
+    def _not_taken(self, step: int, why: str, *, failed: bool) -> None:
+        """Count and say that the snapshot of ``step`` was not taken (every rank, together); after a failed one the
+        capacity is checked again before the next (a full tmpfs may have drained, or filled for good)."""
+        self.skipped += 1
+        if failed:
+            self.failed += 1
+            self._recheck = True
+        held = f"step {self.newest[1]}" if self.newest is not None else "none"
+        log.warning(
+            "memory snapshot of step %d skipped: %s; the newest snapshot in memory is %s, and training goes on",
+            step,
+            why,
+            held,
+        )
+
+    def _durable_instead(self, step: int, snap: Snapshot) -> None:
+        """A durable save due at ``step``, whose memory snapshot was not taken: the same state written straight to
+        the run directory by the caller's ``write_durable`` (every rank together; a rank whose state could not be
+        taken makes that save fail for all). Its failure is raised, as a failed durable save's is."""
+        if self.write_durable is None:
+            log.warning("durable save of step %d not made: its memory snapshot was not taken", step)
+            return
+        problem = self._refused
+        if problem is None and snap.deferred:
+            try:
+                snap.materialize(self.buffers)
+            except Exception as exc:
+                problem = _as_error(exc, self.rank)
+        self.write_durable(step, snap, problem)
+        self.durable_step = max(self.durable_step or -1, step)
+        log.warning(
+            "durable save of step %d written straight to %s, as its memory snapshot was not taken", step, self.run.url
+        )
 
     def _write_local_replicas(self, snap: Snapshot) -> dict[int, tuple[FileRecord, ...]]:
         """Data-parallel replicas are not copied again (spec/memory.md, replicas): when a rank that replicates to this
@@ -410,9 +706,16 @@ class MemorySnapshots:
         ranks decide together: a partner still busy makes every rank skip this one, never wait)."""
         if self.replicator is None or self.collective is None:
             return
-        busy = self.collective.gather(b"1" if self.replicator.busy() else b"0", dst=0)
-        decision = (b"skip" if b"1" in busy else b"go") if busy is not None else None
-        if self.collective.broadcast(decision, src=0) != b"go":
+        go = decide(
+            self.collective,
+            self.replicator.busy(),
+            _one_bool("whether its replica round is still busy", lambda busy: not any(busy)),
+            what=f"the replica round of step {step}",
+            max_size=64,
+        )
+        if not isinstance(go, bool):
+            raise MalformedMessageError(f"rank 0 decided {str(go)[:40]} on the replica round of step {step}")
+        if not go:
             self.replicator.skipped += 1
             log.info("replica of step %d skipped: the previous one is still being copied", step)
             return
@@ -435,12 +738,13 @@ class MemorySnapshots:
                 self.run,
                 collective=self.collective,
                 files=self._files,
-                throttle=Throttle(self.persist_duty),
+                throttle=Throttle(1.0 if self._closing else self.persist_duty),
             )
         finally:
             with self._lock:
                 self._held[slot] -= 1
         self.last_persisted = done
+        self.durable_step = max(self.durable_step or -1, done.step)
         if self.rank == 0 and self.on_persisted is not None:
             self.on_persisted(done)
 
@@ -482,20 +786,39 @@ class MemorySnapshots:
                     return None
                 slot = max(committed, key=lambda s: committed[s] or 0)
                 log.warning(
-                    "durable save of step %d taken from step %s: its slot was rewritten first", step, committed[slot]
+                    "the durable save due at step %d wrote step %s instead, the newest snapshot still whole in memory: "
+                    "step %d's memory slot was reused for a newer snapshot while an earlier durable save was still "
+                    "being written",
+                    step,
+                    committed[slot],
+                    step,
                 )
+                step = committed[slot] or 0
             self._held[slot] = self._held.get(slot, 0) + 1
-        return self._persist_held(slot, self.persist_duty)
+        return self._persist_held(slot, step, self.persist_duty)
 
-    def _persist_held(self, slot: int, duty: float) -> Persisted | None:
+    def _persist_held(self, slot: int, step: int, duty: float) -> Persisted | None:
         """Copy a slot already held out of the ring; release it afterwards."""
         lower_thread_priority()
+        self._copying = (slot, step)
         try:
-            done = persist(self.tier.slot_path(slot), self.run, throttle=Throttle(duty), codec=self.codec)
+            done = persist(self.tier.slot_path(slot), self.run, throttle=_CopyThrottle(duty, self), codec=self.codec)
         except CheckpointExistsError as exc:  # another process persists the same step right now
             log.warning("memory slot %d not persisted: %s", slot, exc)
             return None
+        except _Abandoned:
+            log.warning(
+                "the durable copy of step %d was abandoned at close after close_timeout=%s s; the snapshot stays in "
+                "memory slot %s (a restart restores and persists it, or `ckpt rescue %s %s`)",
+                step,
+                self.close_timeout,
+                self.tier.slot_path(slot),
+                self.tier.memory_dir,
+                self.run.url,
+            )
+            return None
         finally:
+            self._copying = None
             with self._lock:
                 self._held[slot] -= 1
         if done.status == "conflict":
@@ -505,6 +828,7 @@ class MemorySnapshots:
                 done.step,
             )
         self.last_persisted = done
+        self.durable_step = max(self.durable_step or -1, done.step)  # a conflict too: nothing more to do there
         if self.on_persisted is not None:
             self.on_persisted(done)
         return done
@@ -551,15 +875,23 @@ class MemorySnapshots:
                 return None
             slot = max(committed, key=lambda s: committed[s] or 0)
             self._held[slot] = self._held.get(slot, 0) + 1
-        return self._persist_held(slot, 1.0)
+        return self._persist_held(slot, committed[slot] or 0, 1.0)
 
     def close(self, *, persist: bool = True) -> None:
         """Wait for the work in flight; with ``persist``, make the newest snapshot durable if it is not yet
-        (rank 0: "on exit, the newest snapshot is persisted"); then stop the threads."""
+        (rank 0: "on exit, the newest snapshot is persisted"); then stop the threads.
+
+        Nothing trains beside the copies any more, so they run unthrottled; a wait for one is logged, and with
+        ``close_timeout`` rank 0 abandons one node's copies that outlast it (the snapshot stays in memory)."""
         try:
+            self.wait_snapshot()
+            self._closing = True
+            if self.close_timeout is not None:
+                self._deadline = time.monotonic() + self.close_timeout
+            self._announce_wait()
             self.wait()
-            newest, done = self.newest, self.last_persisted
-            if persist and newest is not None and (done is None or done.step < newest[1]):
+            newest, durable = self.newest, self.durable_step
+            if persist and newest is not None and (durable is None or durable < newest[1]):
                 if self.nodes.multi_node:  # every rank copies its own files, together
                     self._writer.submit(self._persist_spread, newest[0]).result()
                 else:
@@ -573,6 +905,26 @@ class MemorySnapshots:
                 self._gate.remove()
                 self._gate = None
             self.stop_watcher()
+
+    def _announce_wait(self) -> None:
+        """Say what close() waits for, when a durable copy is still running or queued."""
+        if all(f.done() for f in self._persists):
+            return
+        copying, waiting = self._copying, self._waiting
+        parts = [f"step {copying[1]} (memory slot {copying[0]})"] if copying is not None else []
+        if waiting is not None:
+            parts.append(f"step {waiting[1]}, queued")
+        bound = (
+            f"at most close_timeout={self.close_timeout} s, then abandoned"
+            if self.close_timeout is not None
+            else "until it is done (close_timeout= bounds this)"
+        )
+        log.warning(
+            "closing: waiting for the durable copy of %s into %s, unthrottled, %s",
+            " and ".join(parts) or "a memory snapshot",
+            self.run.url,
+            bound,
+        )
 
     # ---------------------------------------------------------------- SIGTERM while blocked
 
