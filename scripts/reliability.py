@@ -447,6 +447,34 @@ def hostile_section(seconds: float, rows: list[Row], log: list[str], work: Path)
     print(f"  hostile input: {doc.get('examples')} examples, {doc.get('violations')} violations [{seconds_taken} s]")
 
 
+def peers_section(cases: int, rows: list[Row], log: list[str]) -> None:
+    """A lying rank against the restore across nodes (tests/hostile/peer_campaign.py), report and wire halves."""
+    from hostile import peer_campaign
+
+    start = time.monotonic()
+    tallies = peer_campaign.run(cases, seed=1)
+    seconds_taken = round(time.monotonic() - start, 1)
+    for mode, what in (
+        ("report", "rank 1's holdings report mutated (1-3 structural mutations, or its bytes)"),
+        ("wire", "rank 1's transfer messages mutated (bits, cut, lengthened, other JSON), each with p = 0.12"),
+    ):
+        tally = tallies[mode]
+        outcomes = ", ".join(f"{n} {k}" for k, n in sorted(tally.outcomes.items(), key=lambda kv: -kv[1]))
+        rows.append(
+            {
+                "harness": f"lying rank, restore across nodes ({mode})",
+                "what": what,
+                "tried": tally.cases,
+                "held": f"{outcomes}; hangs, raw errors, split options, wrong rows, writes outside: "
+                f"{_violations(tally.violations)}",
+                "violations": len(tally.violations),
+                "seconds": round(seconds_taken / 2, 1),
+            }
+        )
+        log += tally.violations[:50]
+    print(f"  peers: {sum(t.cases for t in tallies.values())} cases [{seconds_taken} s]")
+
+
 HEADER = """\
 # Reliability
 
@@ -563,10 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability.md")
     parser.add_argument("--hostile-seconds", type=float, default=300.0)
+    parser.add_argument("--peer-cases", type=int, default=4000)
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated sections to leave out: crash,multirank,power,faults,race,corruption,hostile",
+        help="comma-separated sections to leave out: crash,multirank,power,faults,race,corruption,hostile,peers",
     )
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -584,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             ("race", lambda: race_section(work / "race", rows, log, server)),
             ("corruption", lambda: corruption_section(work / "corruption", rows, log)),
             ("hostile", lambda: hostile_section(args.hostile_seconds, rows, log, work)),
+            ("peers", lambda: peers_section(args.peer_cases, rows, log)),
         ]
         for name, run in sections:
             if name in skip:

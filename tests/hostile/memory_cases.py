@@ -65,8 +65,15 @@ def _metadata_value(rng: Random, key: str) -> Any:
 
 
 def _mutate_metadata(data: bytes, rng: Random) -> bytes:
-    doc = json.loads(data)
+    try:
+        doc = json.loads(data)
+    except ValueError:  # an earlier round of mutate_memory damaged its bytes: nothing left to bind
+        return data
+    if not isinstance(doc, dict):
+        return data
     metadata = doc.setdefault("metadata", {})
+    if not isinstance(metadata, dict):
+        return data
     key = rng.choice(("run_id", "run_dir", "node", "world_size", "step"))
     op = rng.randrange(5)
     if op <= 2:
@@ -115,8 +122,11 @@ def mutate_memory(tree: Tree, rng: Random) -> Tree:
             if rng.random() < 0.5:
                 out[f"{head}/manifest.json"], out[f"{RUN_KEY}/{other}/manifest.json"] = b, a
             else:
-                doc = json.loads(a)
-                doc["metadata"][PREFIX + "step"] = json.loads(b)["metadata"][PREFIX + "step"]
+                try:  # an earlier round may have damaged either manifest: then nothing to copy
+                    doc = json.loads(a)
+                    doc["metadata"][PREFIX + "step"] = json.loads(b)["metadata"][PREFIX + "step"]
+                except (ValueError, TypeError, KeyError):
+                    return out
                 out[f"{head}/manifest.json"] = json.dumps(doc).encode()
     elif op == 9:  # a data byte rotted after the commit
         path = f"{head}/weights/r00000-00000.safetensors"
