@@ -12,13 +12,13 @@ import json
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from rank_threads import run_threads
 
 import ckptfmt
 from ckptfmt.collective import ThreadCollective
@@ -36,25 +36,8 @@ from ckptfmt.writer import CheckpointWriter
 # A long timeout: a rank left waiting would hang the test past it, so every outcome asserted below is reached by
 # the coordinator's broadcast, never by a timeout (a timeout's message says "within").
 TIMEOUT = 120.0
+JOIN_TIMEOUT = TIMEOUT * 4  # a rank still running this long after its turn to be joined has hung
 ROWS = 4
-
-
-def run_ranks(world: int, body: Callable[[int], Any]) -> list[Any]:
-    """``body(rank)`` on every rank as a thread; each rank's return value or raised exception."""
-    out: list[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(rank)
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def tiers_of(tmp: Path, names: Sequence[str]) -> dict[str, MemoryTier]:
@@ -91,7 +74,7 @@ def snapshot(tiers: dict[str, MemoryTier], nodes: tuple[str, ...], *, step: int,
         writer.write_tensor("weights", "w", rows, global_shape=(ROWS * len(nodes), 8), offsets=(ROWS * rank, 0))
         return writer.commit()
 
-    ids = run_ranks(len(nodes), write)
+    ids = run_threads(len(nodes), write, JOIN_TIMEOUT)
     assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 1, ids
     return str(ids[0])
 
@@ -228,7 +211,7 @@ def test_an_honest_restore_gathers_a_node_s_files_from_the_only_holder(tmp_path:
         options = restores[rank].options()
         return [(o.step, o.checkpoint_id) for o in options], read_all_rows(restores[rank], options[0], 2)
 
-    assert run_ranks(2, body) == [([(5, ckpt_id)], [5.0, 105.0])] * 2
+    assert run_threads(2, body, JOIN_TIMEOUT) == [([(5, ckpt_id)], [5.0, 105.0])] * 2
 
 
 def test_a_checkpoint_id_that_is_no_sha256_fails_every_rank_at_once_and_nothing_is_written(tmp_path: Path) -> None:
@@ -243,7 +226,7 @@ def test_a_checkpoint_id_that_is_no_sha256_fails_every_rank_at_once_and_nothing_
 
     before = everything_under(tmp_path)
     restores = agreed_restores(tiers, ("A", "B"), {1: rename})
-    out = run_ranks(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2))
+    out = run_threads(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2), JOIN_TIMEOUT)
     for exc in out:
         assert isinstance(exc, MalformedMessageError), out
         assert "rank 1" in str(exc) and "is not a checkpoint id" in str(exc) and "within" not in str(exc)
@@ -273,7 +256,7 @@ def test_a_manifest_that_does_not_hash_to_its_id_is_refused(tmp_path: Path, capl
 
     restores = agreed_restores(tiers, ("A", "B"), {1: refile})
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
-        out = run_ranks(2, lambda rank: restores[rank].options())
+        out = run_threads(2, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
     assert out == [[], []]
     assert any("rank 1 sent a manifest for " + forged in r.getMessage() for r in caplog.records)
 
@@ -296,7 +279,7 @@ def test_a_sender_s_manifest_of_another_checkpoint_is_refused_and_nothing_is_pub
             restores[1]._move = lying_move.__get__(restores[1])  # type: ignore[method-assign]
         return read_all_rows(restores[rank], options[1], 2)
 
-    out = run_ranks(2, body)
+    out = run_threads(2, body, JOIN_TIMEOUT)
     for exc in out:
         assert isinstance(exc, DigestMismatchError), out
         assert "rank 1 sent checkpoint" in str(exc)
@@ -323,7 +306,7 @@ def test_a_claimed_step_that_its_manifest_does_not_bind_is_refused(
 
     restores = agreed_restores(tiers, ("A", "B"), {1: lie})
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
-        out = run_ranks(2, lambda rank: [(o.step, o.checkpoint_id) for o in restores[rank].options()])
+        out = run_threads(2, lambda rank: [(o.step, o.checkpoint_id) for o in restores[rank].options()], JOIN_TIMEOUT)
     assert out == [[(20, id20)]] * 2  # never step 30; step 10 is incomplete without B's holding
     assert any(
         "rank 1" in r.getMessage() and "claims step 30" in r.getMessage() and "step 10" in r.getMessage()
@@ -341,7 +324,7 @@ def test_a_leader_speaks_only_for_its_own_node(tmp_path: Path, caplog: pytest.Lo
 
     restores = agreed_restores(tiers, ("A", "B"), {1: elsewhere})
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
-        out = run_ranks(2, lambda rank: restores[rank].options())
+        out = run_threads(2, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
     assert out == [[], []]
     assert any("rank 1 is not the leader of node 'A'" in r.getMessage() for r in caplog.records)
 
@@ -358,7 +341,7 @@ def test_a_holding_outside_the_node_s_memory_directory_is_never_read(tmp_path: P
         return report
 
     restores = agreed_restores(tiers, ("A", "B"), {1: move})
-    out = run_ranks(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2))
+    out = run_threads(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2), JOIN_TIMEOUT)
     for exc in out:
         assert isinstance(exc, CollectiveError), out
         assert "not in this node's memory directory" in str(exc) and "within" not in str(exc)
@@ -407,7 +390,7 @@ def test_a_malformed_holdings_list_fails_every_rank_at_once_naming_the_rank(
     decided by the coordinator (not a timeout), so the manager passes over the memory options together."""
     tiers, _ = only_b_holds(tmp_path)
     restores = agreed_restores(tiers, ("A", "B"), {1: alter})
-    out = run_ranks(2, lambda rank: restores[rank].options())
+    out = run_threads(2, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
     assert len({str(e) for e in out}) == 1, out
     for exc in out:
         assert isinstance(exc, CollectiveError) and isinstance(exc, CheckpointError), out
@@ -464,7 +447,7 @@ def test_stale_files_of_another_node_s_ranks_are_not_held_and_the_restore_reads_
         options = restores[rank].options()
         return options[0].step, read_all_rows(restores[rank], options[0], 4)
 
-    assert run_ranks(4, body) == [(4, [4.0, 104.0, 204.0, 304.0])] * 4
+    assert run_threads(4, body, JOIN_TIMEOUT) == [(4, [4.0, 104.0, 204.0, 304.0])] * 4
 
 
 def test_one_rank_alone_decides_the_same_way(tmp_path: Path) -> None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from rank_threads import run_ranks
 
 from ckptfmt.collective import ThreadCollective
 from ckptfmt.decide import decide
 from ckptfmt.errors import (
-    CheckpointError,
     CollectiveError,
     DigestMismatchError,
     MalformedMessageError,
@@ -23,31 +22,12 @@ from ckptfmt.errors import (
 TIMEOUT = 120.0
 
 
-def run_ranks(world: int, body: Callable[[ThreadCollective], Any]) -> list[Any]:
-    """``body`` on every rank as a thread; each rank's return value or raised exception."""
-    group = ThreadCollective.group(world, timeout=TIMEOUT)
-    out: list[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(group[rank])
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
 def total(values: Sequence[Any]) -> int:
     return sum(int(v) for v in values)
 
 
 def test_every_rank_gets_the_decision() -> None:
-    out = run_ranks(3, lambda c: decide(c, c.rank + 1, total, what="a sum"))
+    out = run_ranks(3, lambda _, c: decide(c, c.rank + 1, total, what="a sum"), TIMEOUT)
     assert out == [6, 6, 6]
 
 
@@ -58,7 +38,7 @@ def test_one_rank_alone() -> None:
 
 
 def test_failing_ranks_are_all_named_with_the_first_failure_s_class() -> None:
-    def body(c: ThreadCollective) -> Any:
+    def body(_: int, c: ThreadCollective) -> Any:
         mine: object = c.rank
         if c.rank == 1:
             mine = DigestMismatchError("bad bytes", path="weights/x.safetensors")
@@ -66,7 +46,7 @@ def test_failing_ranks_are_all_named_with_the_first_failure_s_class() -> None:
             mine = CollectiveError("peer gone")
         return decide(c, mine, total, what="the restore")
 
-    out = run_ranks(3, body)
+    out = run_ranks(3, body, TIMEOUT)
     for exc in out:
         assert isinstance(exc, DigestMismatchError)
         assert exc.path == "weights/x.safetensors"
@@ -77,7 +57,9 @@ def test_a_malformed_contribution_fails_every_rank_at_once_with_a_checkpoint_err
     def needs_objects(values: Sequence[Any]) -> int:
         return sum(v["n"] for v in values)  # a string value raises TypeError here
 
-    out = run_ranks(3, lambda c: decide(c, "x" if c.rank == 2 else {"n": 1}, needs_objects, what="the holdings"))
+    out = run_ranks(
+        3, lambda _, c: decide(c, "x" if c.rank == 2 else {"n": 1}, needs_objects, what="the holdings"), TIMEOUT
+    )
     for exc in out:
         assert isinstance(exc, MalformedMessageError)
         assert "the holdings" in str(exc) and "malformed" in str(exc)
@@ -91,40 +73,29 @@ def test_a_decide_function_names_the_rank_it_refuses() -> None:
                 raise MalformedMessageError(f"rank {rank} sent {type(v).__name__}, not an integer")
         return total(values)
 
-    out = run_ranks(2, lambda c: decide(c, [1] if c.rank == 1 else 1, checked, what="a count"))
+    out = run_ranks(2, lambda _, c: decide(c, [1] if c.rank == 1 else 1, checked, what="a count"), TIMEOUT)
     assert all(isinstance(e, MalformedMessageError) and "rank 1 sent list" in str(e) for e in out)
 
 
 def test_hostile_bytes_are_refused_by_the_bounded_reader() -> None:
     deep = "[" * 10_000 + "]" * 10_000
-    group = ThreadCollective.group(2, timeout=TIMEOUT)
 
     # rank 1 bypasses the encoder: what a buggy or lying process would put on the wire
-    def body(c: ThreadCollective) -> Any:
+    def body(_: int, c: ThreadCollective) -> Any:
         if c.rank == 1:
             c.gather(('{"ok":' + deep + "}").encode(), dst=0)
             return c.broadcast(None, src=0)
         return decide(c, 0, total, what="the options")
 
-    out: list[Any] = [None, None]
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(group[rank])
-        except CheckpointError as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out = run_ranks(2, body, TIMEOUT)
     assert isinstance(out[0], MalformedMessageError) and "rank 1" in str(out[0]) and "nests deeper" in str(out[0])
     assert b"nests deeper" in out[1]  # the verdict rank 1 received is that refusal
 
 
 def test_an_oversized_contribution_is_refused_before_it_is_parsed() -> None:
-    out = run_ranks(3, lambda c: decide(c, "y" * (4096 if c.rank == 2 else 1), len, what="a list", max_size=1024))
+    out = run_ranks(
+        3, lambda _, c: decide(c, "y" * (4096 if c.rank == 2 else 1), len, what="a list", max_size=1024), TIMEOUT
+    )
     for exc in out:
         assert isinstance(exc, MessageTooLargeError)
         assert "rank 2" in str(exc) and "a list" in str(exc)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_threads import run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -35,6 +36,7 @@ from ckptfmt.torch.memory import MemorySnapshots
 CONFIG = {"lr": 0.01, "seed": 7}
 EVERY = 5  # a durable save every 5 steps
 TIMEOUT = 20.0  # a rank left waiting fails the test after this, instead of hanging it
+JOIN_TIMEOUT = TIMEOUT * 6  # a rank still running this long after its turn to be joined has hung
 DEVICES = [  # CUDA: the snapshot is copied into pinned host buffers first, a path of its own
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
@@ -183,25 +185,6 @@ def test_a_durable_save_due_when_the_recheck_finds_no_room_goes_to_the_run_direc
 # ---------------------------------------------------------------- 05 with several ranks: all skip together
 
 
-def run_ranks(world: int, body: Callable[[int, ThreadCollective], object]) -> list[object]:
-    group = ThreadCollective.group(world, timeout=TIMEOUT)
-    results: list[object] = [None] * world
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = body(rank, group[rank])
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(TIMEOUT * 6)
-        assert not th.is_alive(), "a rank hung"
-    return results
-
-
 def test_one_rank_that_cannot_write_its_share_makes_every_rank_skip_that_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -255,7 +238,7 @@ def test_one_rank_that_cannot_write_its_share_makes_every_rank_skip_that_snapsho
             mgr.close(persist=False)
         return mgr._memory.failed, mgr._memory.skipped, newest
 
-    results = run_ranks(2, body)
+    results = run_ranks(2, body, TIMEOUT, join_timeout=JOIN_TIMEOUT)
     assert all(isinstance(r, tuple) for r in results), results
     expected = (3, 3, [1, 1, 1, 4, 4, 6, 7])
     assert results == [expected, expected]
@@ -493,6 +476,8 @@ def two_tiers(tmp_path: Path) -> Iterator[tuple[list[Lying], list[MemorySnapshot
     tiers = run_ranks(
         2,
         lambda rank, _: MemorySnapshots(run, memory_dir=tmp_path / "shm", slots=2, collective=group[rank]),
+        TIMEOUT,
+        join_timeout=JOIN_TIMEOUT,
     )
     assert all(isinstance(t, MemorySnapshots) for t in tiers), tiers
     yield group, tiers  # type: ignore[misc]
@@ -506,7 +491,7 @@ def test_a_malformed_snapshot_size_fails_the_capacity_check_on_every_rank_naming
 ) -> None:
     group, tiers = two_tiers
     group[1].gather_alter = lambda data: data.replace(b"1000", b'"1e9"')
-    results = run_ranks(2, lambda rank, _: tiers[rank].check_capacity(1000))
+    results = run_ranks(2, lambda rank, _: tiers[rank].check_capacity(1000), TIMEOUT, join_timeout=JOIN_TIMEOUT)
     assert all(isinstance(r, MalformedMessageError) and "rank 1" in str(r) for r in results), results
 
 
@@ -519,7 +504,7 @@ def test_a_malformed_list_of_memory_slots_is_refused_by_every_rank(
 ) -> None:
     group, tiers = two_tiers
     group[0].broadcast_alter = lambda data: payload
-    results = run_ranks(2, lambda rank, _: tiers[rank].candidates())
+    results = run_ranks(2, lambda rank, _: tiers[rank].candidates(), TIMEOUT, join_timeout=JOIN_TIMEOUT)
     assert all(isinstance(r, MalformedMessageError) for r in results), results
 
 
@@ -532,7 +517,7 @@ def two_managers(tmp_path: Path) -> tuple[list[Lying], list[CheckpointManager]]:
 def test_a_vote_that_is_not_a_boolean_is_an_error_on_every_rank_not_a_silent_no(tmp_path: Path) -> None:
     group, managers = two_managers(tmp_path)
     group[1].gather_alter = lambda data: json.dumps({"ok": "yes"}).encode() if data.startswith(b"{") else b"maybe"
-    results = run_ranks(2, lambda rank, _: managers[rank]._agree(True))
+    results = run_ranks(2, lambda rank, _: managers[rank]._agree(True), TIMEOUT, join_timeout=JOIN_TIMEOUT)
     assert all(isinstance(r, MalformedMessageError) and "rank 1" in str(r) for r in results), results
 
 
@@ -542,7 +527,9 @@ def test_a_vote_that_is_not_a_boolean_is_an_error_on_every_rank_not_a_silent_no(
 def test_a_malformed_listing_of_the_run_directory_is_refused_by_every_rank(tmp_path: Path, payload: bytes) -> None:
     group, managers = two_managers(tmp_path)
     group[0].broadcast_alter = lambda data: payload
-    results = run_ranks(2, lambda rank, _: managers[rank].restore_latest(model=nn.Linear(2, 2)))
+    results = run_ranks(
+        2, lambda rank, _: managers[rank].restore_latest(model=nn.Linear(2, 2)), TIMEOUT, join_timeout=JOIN_TIMEOUT
+    )
     assert all(isinstance(r, CheckpointError) and r.code == "malformed_message" for r in results), results
 
 
@@ -554,7 +541,7 @@ def test_a_malformed_restore_report_of_a_rank_is_recorded_as_such_not_raised(tmp
     report = RestoreReport(
         step=5, tier="durable", url="x", checkpoint_id="sha256:" + "0" * 64, seconds=0.5, bytes_read=1
     )
-    results = run_ranks(2, lambda rank, _: managers[rank]._record_restore(report))
+    results = run_ranks(2, lambda rank, _: managers[rank]._record_restore(report), TIMEOUT, join_timeout=JOIN_TIMEOUT)
     assert results == [None, None], results
     ranks = RunDirectory(tmp_path / "run").last_restore()["ranks"]  # type: ignore[index]
     assert ranks[0]["step"] == 5 and ranks[0]["seconds"] == 0.5

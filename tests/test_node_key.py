@@ -4,12 +4,11 @@ ranks of one node prove that they share its memory directory (red-team 3, findin
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rank_threads import run_ranks
 
 from ckptfmt.collective import ThreadCollective
 from ckptfmt.errors import CheckpointError, MalformedMessageError, StorageError, UsageError
@@ -20,42 +19,23 @@ from ckptfmt.tier.ring import MemoryTier
 TIMEOUT = 120.0  # long: every outcome below is reached by a broadcast, never by a timeout (the messages say which)
 
 
-def run_ranks(world: int, body: Callable[[ThreadCollective], Any]) -> list[Any]:
-    """``body`` on every rank as a thread; each rank's return value or raised exception."""
-    group = ThreadCollective.group(world, timeout=TIMEOUT)
-    out: list[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(group[rank])
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
 # ---------------------------------------------------------------- the node map
 
 
 def test_every_rank_gets_every_rank_s_node() -> None:
-    out = run_ranks(3, lambda c: NodeMap.gather(c, "AAB"[c.rank]))
+    out = run_ranks(3, lambda _, c: NodeMap.gather(c, "AAB"[c.rank]), TIMEOUT)
     assert out == [NodeMap(nodes=("A", "A", "B"))] * 3
 
 
 @pytest.mark.parametrize("garbage", [b"\xffnot json", b'{"ok": 5}', b'{"ok": ""}', b"[" * 10_000, b'{"ok": ["A"]}'])
 def test_a_malformed_node_key_fails_every_rank_at_once_naming_the_rank(garbage: bytes) -> None:
-    def body(c: ThreadCollective) -> Any:
+    def body(_: int, c: ThreadCollective) -> Any:
         if c.rank == 1:  # a buggy or lying process: its own bytes in the gather, then the decision like any rank
             c.gather(garbage, dst=0)
             return c.broadcast(None, src=0)
         return NodeMap.gather(c, "A")
 
-    out = run_ranks(3, body)
+    out = run_ranks(3, body, TIMEOUT)
     for rank in (0, 2):
         exc = out[rank]
         assert isinstance(exc, MalformedMessageError), out
@@ -64,7 +44,7 @@ def test_a_malformed_node_key_fails_every_rank_at_once_naming_the_rank(garbage: 
 
 
 def test_an_oversized_node_key_is_refused_before_it_is_parsed() -> None:
-    out = run_ranks(2, lambda c: NodeMap.gather(c, "A" if c.rank == 0 else "B" * (1 << 20)))
+    out = run_ranks(2, lambda _, c: NodeMap.gather(c, "A" if c.rank == 0 else "B" * (1 << 20)), TIMEOUT)
     assert all(isinstance(e, CheckpointError) and "rank 1" in str(e) and "within" not in str(e) for e in out), out
 
 
@@ -75,13 +55,13 @@ def prove(tmp: Path, nodes: tuple[str, ...], dirs: tuple[str, ...]) -> list[Any]
     """Every rank makes its run directory in ``tmp / dirs[rank]`` and proves it shares its node's."""
     nmap = NodeMap(nodes=nodes)
 
-    def body(c: ThreadCollective) -> Any:
+    def body(_: int, c: ThreadCollective) -> Any:
         tier = MemoryTier(tmp / dirs[c.rank], "/tmp/ckptfmt-node-key-run")
         tier.ensure()
         nmap.prove_shared(c, tier.root)
         return tier.root
 
-    return run_ranks(len(nodes), body)
+    return run_ranks(len(nodes), body, TIMEOUT)
 
 
 def test_ranks_of_one_node_key_in_different_memory_directories_are_refused_at_construction(tmp_path: Path) -> None:
@@ -121,11 +101,11 @@ def test_one_rank_a_node_proves_nothing(tmp_path: Path) -> None:
 def test_a_leader_that_cannot_write_fails_every_rank(tmp_path: Path) -> None:
     nmap = NodeMap(nodes=("A", "A"))
 
-    def body(c: ThreadCollective) -> Any:
+    def body(_: int, c: ThreadCollective) -> Any:
         nmap.prove_shared(c, tmp_path / "absent")  # the leader cannot write there
         return True
 
-    out = run_ranks(2, body)
+    out = run_ranks(2, body, TIMEOUT)
     for exc in out:
         assert isinstance(exc, StorageError) and "rank 0" in str(exc) and "within" not in str(exc), out
 

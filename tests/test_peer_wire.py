@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from process_ranks import launch
+from rank_threads import run_ranks
 
 from ckptfmt.collective import ThreadCollective, refuse_length
 from ckptfmt.errors import CheckpointError, CollectiveError, MalformedMessageError, MessageTooLargeError
@@ -293,26 +293,8 @@ def spread(tmp: Path) -> tuple[list[str], list[list[str]]]:
         writer.commit()
         return slot, sorted(p for p in SlotStore(slot).list() if p not in ("manifest.json", ".ckptfmt-lock"))
 
-    out = run_ranks(2, lambda c: write(c.rank))
+    out = run_ranks(2, lambda rank, _: write(rank), TIMEOUT, group)
     return [o[0] for o in out], [o[1] for o in out]
-
-
-def run_ranks(world: int, body: Callable[[ThreadCollective], Any], group: list[ThreadCollective] | None = None) -> Any:
-    group = group or ThreadCollective.group(world, timeout=TIMEOUT)
-    out: list[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(group[rank])
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 class Garbles:
@@ -348,7 +330,10 @@ def test_a_malformed_persist_report_fails_every_rank_at_once_naming_the_rank(tmp
     collectives = [group[0], Garbles(group[1], 2, payload)]  # its second gather: the files it copied
 
     out = run_ranks(
-        2, lambda c: persist_spread(slots[c.rank], run, collective=collectives[c.rank], files=files[c.rank]), group
+        2,
+        lambda rank, _: persist_spread(slots[rank], run, collective=collectives[rank], files=files[rank]),
+        TIMEOUT,
+        group,
     )
     for exc in out:
         assert isinstance(exc, CollectiveError), out
@@ -362,7 +347,7 @@ def test_a_malformed_persist_report_fails_every_rank_at_once_naming_the_rank(tmp
 def test_a_spread_persist_commits_when_every_report_is_sound(tmp_path: Path) -> None:
     slots, files = spread(tmp_path)
     run = RunDirectory(str(tmp_path / "run"))
-    out = run_ranks(2, lambda c: persist_spread(slots[c.rank], run, collective=c, files=files[c.rank]))
+    out = run_ranks(2, lambda rank, c: persist_spread(slots[rank], run, collective=c, files=files[rank]), TIMEOUT)
     assert all(not isinstance(o, BaseException) and o.status == "persisted" for o in out), out
     assert (tmp_path / "run" / checkpoint_name(3) / "manifest.json").exists()
 
@@ -371,7 +356,7 @@ def test_a_rank_whose_slot_cannot_be_read_fails_every_rank_at_once(tmp_path: Pat
     slots, files = spread(tmp_path)
     (Path(slots[1]) / "manifest.json").unlink()  # node B's slot lost its manifest (before: rank 0 waited forever)
     run = RunDirectory(str(tmp_path / "run"))
-    out = run_ranks(2, lambda c: persist_spread(slots[c.rank], run, collective=c, files=files[c.rank]))
+    out = run_ranks(2, lambda rank, c: persist_spread(slots[rank], run, collective=c, files=files[rank]), TIMEOUT)
     for exc in out:
         assert isinstance(exc, CheckpointError) and "rank 1" in str(exc) and "within" not in str(exc), out
     assert not (tmp_path / "run" / checkpoint_name(3) / "manifest.json").exists()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rank_threads import run_threads
 
 import ckptfmt
 from ckptfmt.collective import ThreadCollective
@@ -30,24 +31,7 @@ from ckptfmt.tier.wire import PIECE_BYTES, receive_files, send_files
 from ckptfmt.writer import CheckpointWriter
 
 RUN = "/tmp/ckptfmt-replica-test-run"
-
-
-def threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
-    """Run ``fn(rank)`` on n threads; their results by rank (an exception is re-raised)."""
-    out: list[Any] = [None] * n
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(rank)
-        except BaseException as exc:
-            out[rank] = exc
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return out
+JOIN_TIMEOUT = 60.0  # a rank still running this long after its turn to be joined has hung
 
 
 # ---------------------------------------------------------------- node maps
@@ -109,7 +93,7 @@ def spread_snapshot(tmp: Path, nodes: tuple[str, ...], step: int = 7, slot: int 
         writer.write_tensor("weights", "w", rows, global_shape=(4 * len(nodes), 8), offsets=(4 * rank, 0))
         return writer.commit()
 
-    ids = threads(len(nodes), write)
+    ids = run_threads(len(nodes), write, JOIN_TIMEOUT)
     assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 1, ids
     return tuple(tiers[n] for n in names)
 
@@ -166,7 +150,7 @@ def transfer(tmp: Path, tamper: Callable[[bytes], bytes] | None = None, paths: l
             return send_files(Tampering(), dst=1, tag=3, source=source, manifest_bytes=manifest, paths=files)
         return receive_files(group[1], src=0, tag=3, destination=dest)
 
-    return threads(2, side), dest, manifest
+    return run_threads(2, side, JOIN_TIMEOUT), dest, manifest
 
 
 def test_files_arrive_whole_and_verified(tmp_path: Path) -> None:
@@ -246,7 +230,7 @@ def replicate(tiers: tuple[MemoryTier, ...], nodes: tuple[str, ...], round_no: i
         rep.close()
         return result
 
-    return threads(len(nodes), run)
+    return run_threads(len(nodes), run, JOIN_TIMEOUT)
 
 
 def test_replicas_land_on_the_partner_node_and_complete_the_checkpoint_there(tmp_path: Path) -> None:
@@ -299,7 +283,7 @@ def written_manifest(ranks: int) -> bytes:
         with CheckpointWriter(SlotStore(root), profile="weights", collective=group[rank]) as w:
             w.write_tensor("weights", "w", np.zeros((1, 1), np.float32), global_shape=(ranks, 1), offsets=(rank, 0))
 
-    threads(ranks, write)
+    run_threads(ranks, write, JOIN_TIMEOUT)
     return Path(root, "manifest.json").read_bytes()
 
 
@@ -338,7 +322,7 @@ def test_the_agreed_restore_gathers_what_a_node_lacks_and_falls_back_together_wh
         rows = ckpt.read_slice("weights", "w", (4 * rank, 0), (4, 8))
         return option.step, float(rows[0, 0]), fetched.sources(), fetched.bytes_moved
 
-    got = threads(4, restore)
+    got = run_threads(4, restore, JOIN_TIMEOUT)
     assert [g[1] for g in got] == [7.0, 107.0, 207.0, 307.0], got
     assert got[2][2]["weights/r00002-00000.safetensors"].startswith("peer:rank ")
     assert got[0][2]["weights/r00000-00000.safetensors"] == "memory"
@@ -351,7 +335,7 @@ def test_the_agreed_restore_gathers_what_a_node_lacks_and_falls_back_together_wh
     damaged.write_bytes(bytes(data))
     for fetched_dir in b.root.glob("fetched-*"):
         shutil.rmtree(fetched_dir)
-    outcomes = threads(4, restore)
+    outcomes = run_threads(4, restore, JOIN_TIMEOUT)
     assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
     assert len({str(o) for o in outcomes}) == 1 and "r00002" in str(outcomes[0])
 
@@ -375,7 +359,7 @@ def test_a_rank_failing_before_the_merge_commits_nothing_in_any_store_and_leaves
             raise CollectiveError("rank 3 gave up")
         return writer.commit()
 
-    outcomes = threads(4, write)
+    outcomes = run_threads(4, write, JOIN_TIMEOUT)
     assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes
     for root in roots.values():
         left = SlotStore(root).list() if root.exists() else {}
@@ -443,7 +427,7 @@ def test_a_slow_partner_makes_every_rank_skip_a_replica_never_stall_a_step(
         tier.close(persist=False)
         return result
 
-    results = threads(2, rank_main)
+    results = run_threads(2, rank_main, JOIN_TIMEOUT)
     assert not any(isinstance(r, BaseException) for r in results), results
     assert None not in results, "a rank still runs: its snapshots waited for copies the partner could not take"
     (rounds0, skipped0, failures0), (rounds1, skipped1, failures1) = results

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import numpy as np
 import pytest
 from ckptfmt.cli import cli
 from click.testing import CliRunner
+from rank_threads import run_threads
 
 import ckptfmt
 from ckptfmt.collective import ThreadCollective
@@ -39,24 +38,7 @@ from ckptfmt.writer import CheckpointWriter
 NODES = ("A", "B")
 STEP = 4
 THEIRS = "weights/r00001-00000.safetensors"  # rank 1's file: written on node B
-
-
-def threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
-    """``fn(rank)`` on n threads; their results (or exceptions) by rank."""
-    out: list[Any] = [None] * n
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(rank)
-        except BaseException as exc:
-            out[rank] = exc
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return out
+JOIN_TIMEOUT = 60.0  # a rank still running this long after its turn to be joined has hung
 
 
 def spread_snapshot(tmp: Path, run_url: str) -> tuple[MemoryTier, MemoryTier]:
@@ -89,7 +71,7 @@ def spread_snapshot(tmp: Path, run_url: str) -> tuple[MemoryTier, MemoryTier]:
         writer.write_tensor("weights", "w", rows, global_shape=(8, 8), offsets=(4 * rank, 0))
         return writer.commit()
 
-    ids = threads(len(NODES), write)
+    ids = run_threads(len(NODES), write, JOIN_TIMEOUT)
     assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 1, ids
     return tiers["A"], tiers["B"]
 
@@ -109,7 +91,7 @@ def replicate(a: MemoryTier, b: MemoryTier) -> None:
         rep.close()
         return result
 
-    results = threads(len(NODES), run)
+    results = run_threads(len(NODES), run, JOIN_TIMEOUT)
     assert all(r is not None and r.committed for r in results), results
 
 

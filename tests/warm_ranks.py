@@ -23,6 +23,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,9 @@ _context.set_forkserver_preload(PRELOAD)
 
 def _main(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
     """The rank: its environment and output files, then its script as ``__main__`` (exit status: SystemExit's
-    code, 1 for an exception, whose traceback goes to ``err``)."""
+    code, 1 for an exception, whose traceback goes to ``err``). The rank leads a process group of its own, which
+    what it starts (DataLoader workers) joins: the group is ended with it (:meth:`WarmProcess.wait`)."""
+    os.setpgid(0, 0)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):  # the same path twice: stderr goes to stdout's file, interleaved
@@ -75,6 +78,9 @@ class WarmProcess:
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        # What the rank started and left behind dies with it: a trainer killed by a test leaves its DataLoader
+        # workers orphaned, still running after the whole test run (seen in CI: scripts/test.sh's leak check).
+        _end_group(self.pid)
         return self._process.exitcode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
@@ -88,7 +94,18 @@ class WarmProcess:
         return "".join(Path(p).read_text(errors="replace") for p in parts if os.path.exists(p))
 
     def kill(self) -> None:
+        """SIGKILL the rank and everything in its process group."""
         self._process.kill()
+        _end_group(self.pid)
+
+
+def _end_group(pgid: int | None) -> None:
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it
 
 
 def run(
