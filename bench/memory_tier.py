@@ -22,7 +22,7 @@ is dropped (a restarted node's cache does not hold the run directory; tmpfs page
 resumes; once with the memory tier (restores from memory), once without (restores from the run
 directory, losing the steps since the durable save). Phases of the restart: process start and imports,
 restore, first step (detection is the launcher's: torchrun's ``--monitor-interval``, 0.1-5 s). No
-assertion: the figures depend on the machine; they go to the README with the command that made them.
+assertion: the figures depend on the machine; they go to docs/benchmarks.md with the command that made them.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ for a crash torchrun's ``--monitor-interval`` and in-job restart, for a node los
 script), imports, rendezvous + model (process group, FSDP, ``prewarm`` joined), restore (and the report's own
 seconds and phases), first step, total (the kill to the first resumed step done). ``--repeat`` runs each recovery
 again (medians; the order of memory and run directory alternates). No assertion: the figures depend on the
-machine; they go to the README with the command that made them. ``--dir`` keeps every torchrun's output.
+machine; they go to docs/benchmarks.md with the command that made them. ``--dir`` keeps every torchrun's output.
 """
 
 from __future__ import annotations

@@ -2,14 +2,12 @@
 
 Reading into freshly allocated memory pays a page fault on the first touch of every page: the kernel zeroes it,
 and on a virtual machine whose host takes back the memory a guest freed (free page reporting: Firecracker, most
-clouds' balloon drivers) the host faults too. Measured on the 2-core CI VM: touching 192 MiB took 0.02 s right
-after memory was freed and 0.3-0.6 s once it had been free for 3 s, while the disk read it in 0.2 s; a process's
-first GiB, 3 s. Large arrays therefore get anonymous mappings of their own (page-aligned, and unmapped when
-freed instead of left in the allocator's heap), and :class:`Populator` maps their pages
+clouds' balloon drivers) the host faults too, which can cost more than the disk read that fills the pages
+(docs/benchmarks.md has the figures). Large arrays therefore get anonymous mappings of their own (page-aligned,
+and unmapped when freed instead of left in the allocator's heap), and :class:`Populator` maps their pages
 (``MADV_POPULATE_WRITE``) on a thread of its own, in the order the readers fill them, while they wait on the disk.
-A cold 192 MiB read after 2.5 s idle, median of 14 (``np.empty`` / mappings / mappings populated): 0.233 /
-0.175 / 0.162 s. When the file is cached the read is CPU-bound, and the fresh pages' zeroing is paid on every
-read (1 GiB: 0.41-0.50 s, against 0.19-1.5 s for heap memory, fast only when the heap already holds it).
+When the file is cached the read is CPU-bound, and the fresh pages' zeroing is paid on every read (heap memory
+is faster only when the heap already holds it).
 
 Populating never writes a byte (it maps zeroed pages, and leaves a page already mapped alone), so it is safe
 beside a reader already filling the same pages. Where the kernel lacks it (Linux before 5.14, other systems),
@@ -100,10 +98,10 @@ def aligned(nbytes: int) -> memoryview:
     """``nbytes`` of page-aligned, uninitialized memory, for the kernel to read into.
 
     Where a read lands matters: reading a file out of the page cache into a buffer 16 bytes past a page boundary
-    (where the allocator puts a large ``np.empty`` or ``bytearray``) took 0.38 s per GiB on this 2-core VM against
-    0.23-0.25 s into a page-aligned one, with the same ``preadv`` calls and whatever the file offset. The memory
-    comes from the allocator (a page more, sliced at the boundary), not a mapping of its own: the allocator hands
-    back blocks whose pages are already backed, where a new mapping's first touches cost 0.4 s per GiB here."""
+    (where the allocator puts a large ``np.empty`` or ``bytearray``) is slower than into a page-aligned one, with
+    the same ``preadv`` calls and whatever the file offset. The memory comes from the allocator (a page more,
+    sliced at the boundary), not a mapping of its own: the allocator hands back blocks whose pages are already
+    backed, where a new mapping's first touches fault."""
     if nbytes < mmap.PAGESIZE:
         return memoryview(bytearray(nbytes))  # one page or less: the copy is too short for its alignment to matter
     raw = np.empty(nbytes + mmap.PAGESIZE, dtype=np.uint8)

@@ -34,8 +34,8 @@ from .safetensors_io import build_header
 from .storage import Store
 
 # The unit of the write pass: each slice is hashed for the file, hashed for its chunk and handed to the store
-# while it is still in the CPU's cache (1 MiB: 2.6 GB/s into a tmpfs here, against 0.84 GB/s with 16 MiB
-# slices, whose second and third passes went to memory again). I/O sizes are the store's own (32 MiB
+# while it is still in the CPU's cache (16 MiB slices had left it: their second and third passes went to memory
+# again; docs/benchmarks.md). I/O sizes are the store's own (32 MiB
 # staging buffers locally, 16 MiB multipart parts on object stores).
 SLICE_BYTES = 1 << 20
 

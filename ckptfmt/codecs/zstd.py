@@ -141,8 +141,8 @@ def compressible(dtype: str) -> bool:
 def _compressor(level: int) -> zstandard.ZstdCompressor:
     """Level 0 (the default): no match search, so each block is Huffman-coded literals. On byte planes of
     weights and optimizer moments, repeats long enough to match are rare: searching for them costs time
-    and the bits spent on the few found cost ratio (all-MiniLM-L6-v2: 0.823 fp32 / 0.673 bf16 against
-    0.829 / 0.686 with level 1, and 2-4x faster). Levels 1-19 are zstd's own."""
+    and the bits spent on the few found cost ratio (on real weights level 0 is both smaller and faster than
+    level 1: docs/benchmarks.md). Levels 1-19 are zstd's own."""
     cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
         if level == 0:
@@ -165,8 +165,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 def _compress_planes(cctx: zstandard.ZstdCompressor, planes: memoryview, itemsize: int) -> bytes:
     """One zstd frame of ``planes``, its blocks ending at each plane's end: a block then never mixes the
-    exponent plane with a mantissa plane, so each gets a Huffman table of its own (all-MiniLM-L6-v2: 0.665
-    of raw in bf16 and 0.819 in fp32, against 0.668 / 0.821 letting blocks straddle planes)."""
+    exponent plane with a mantissa plane, so each gets a Huffman table of its own (a better ratio than blocks
+    that straddle planes: docs/benchmarks.md)."""
     size = len(planes) // itemsize
     cobj = cctx.compressobj(size=len(planes))
     parts = []

@@ -35,7 +35,7 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
         fs, root = fsspec.core.url_to_fs(text, **options)
     except (ImportError, ValueError) as exc:
         raise StorageError(f"no storage backend for {text!r}: {exc}") from exc
-    # asyncio and friends: only for a store that needs them (30 ms a process)
+    # asyncio and friends: only for a store that needs them (every process would pay their import)
     if s3 and hasattr(fs, "_call_s3"):  # s3fs, whose client S3Store drives itself
         from .s3 import S3Store
 

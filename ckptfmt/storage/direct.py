@@ -2,7 +2,7 @@
 
 A checkpoint's bytes are written once and not read back by the writer, so passing them through the
 page cache buys nothing and costs: a copy into freshly allocated cache pages (on a virtual machine
-whose host backs guest memory lazily, that copy ran at 0.4 GB/s here, against 1.7 GB/s for the disk),
+whose host backs guest memory lazily, slower than the disk itself),
 a dirty-page flush at ``fsync``, and a training node's dataset cache evicted by bytes nobody reads.
 
 Bytes are copied into an aligned buffer and written from it in whole buffers with ``O_DIRECT``; the
@@ -29,9 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
 ALIGN = 4096  # buffer address, write length and file offset: a multiple of every logical block size in use
-# 32 MiB: one O_DIRECT write of it keeps several requests in flight at the device (8 of the disk's 4 MiB ones);
-# 1 GiB saved at 1911-1985 MB/s median (0.94-1.03x the disk's own O_DIRECT speed), against 1535 with 16 MiB and
-# 1540 with 8 MiB buffers, whose writes kept the device at a queue depth of one or two (bench/compare.py --only disk).
+# 32 MiB: one O_DIRECT write of it keeps several requests in flight at the device (8 of the disk's 4 MiB ones),
+# where 8 and 16 MiB buffers kept it at a queue depth of one or two and saved slower (docs/benchmarks.md).
 BUFFER_BYTES = 32 << 20
 POOL_IDLE = 4
 _WRITER_THREADS = 4

@@ -352,10 +352,9 @@ class _LocalReader(RangeReader):
     """One descriptor, opened as every read here is (no symlink followed, a regular file), for the reads that drop
     their pages as they go; a read that keeps them opens one of its own.
 
-    Measured on the 2-core CI VM (384 MiB in 8 MiB reads, cold, median of 8): dropping, one descriptor took 0.19 s
-    against 0.25 s with a descriptor per read (the kernel's readahead follows the stream); keeping the pages, one
-    descriptor took 0.37-0.49 s (0.24-1.0 from run to run) against 0.21-0.25 s with a descriptor per read, whose
-    readahead starts over at each read and reads exactly it."""
+    Dropping the pages, one descriptor is the faster (the kernel's readahead follows the stream); keeping them, a
+    descriptor per read is faster and steadier, its readahead starting over at each read and reading exactly it
+    (docs/benchmarks.md has the figures)."""
 
     def __init__(self, store: Store, path: str, fd: int) -> None:
         super().__init__(store, path)

@@ -9,9 +9,8 @@ the snapshot is read, through bounded buffers, leaving them in the page cache; w
 after every other check, :func:`copy_in` reads them from there into the tensor, checking them again.
 
 A second check that fails means the file changed between the two reads (something rewrote a committed
-checkpoint in place): the error says the objects hold part of the checkpoint. Measured on the 2-core CI VM,
-192 MiB of weights and AdamW state loaded into a live CPU model, cold, median of 7: 0.15 s in place against
-0.21 s through new memory (``bench/multirank.py`` has the comparison with DCP).
+checkpoint in place): the error says the objects hold part of the checkpoint. What loading in place saves, in
+time and memory: docs/benchmarks.md.
 """
 
 from __future__ import annotations

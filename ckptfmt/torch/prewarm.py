@@ -1,8 +1,8 @@
 """Import, while rendezvous is pending, what a restarted worker would otherwise import on its first steps.
 
-A worker restarted by torchrun pays for its imports before its first step: ``import torch`` (3.5 s on the
-CI machine), then, lazily, ``torch._dynamo`` on the first ``optimizer.step()`` (another 3.5 s: optimizers
-consult it), the distributed-checkpoint state-dict helpers on the first restore, FSDP on wrapping.
+A worker restarted by torchrun pays for its imports before its first step: ``import torch``, then, lazily,
+``torch._dynamo`` on the first ``optimizer.step()`` (optimizers consult it), the distributed-checkpoint
+state-dict helpers on the first restore, FSDP on wrapping: seconds each (docs/memory-tier.md, "Restart time").
 :func:`prewarm` imports those on a background thread, so they overlap with rendezvous and the process
 group's set-up instead of following them. ``import torch`` itself cannot be overlapped from Python code
 that needs torch to run; it is the first line of any trainer.

@@ -400,7 +400,7 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: tor
         loaded: dict[str, Any] = {"state": stored, "param_groups": groups}
         # By index, DTensor state included (it is placed like its parameter already): torch's
         # set_optimizer_state_dict first gives an optimizer without state its whole state by a step on zero
-        # gradients, memory that the load then throws away (0.1 s of a 0.3 s restart of 192 MiB).
+        # gradients, memory that the load then throws away.
         optimizer.load_state_dict(_by_index(loaded, stored_param_names(model, optimizer)))
         return
     optimizer.load_state_dict({"state": {int(pid): entries for pid, entries in stored.items()}, "param_groups": groups})
