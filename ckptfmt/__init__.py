@@ -12,12 +12,11 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ._version import __version__
 from .blocks import DEFAULT_BLOCK_BYTES
 from .canonical import canonical_json, config_hash
 from .collective import Collective, ThreadCollective

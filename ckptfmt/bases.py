@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .errors import BaseCheckpointError, CheckpointError
 from .manifest import Manifest, checkpoint_id
+from .manifest_io import read_manifest_bytes
 from .manifest_parse import parse_manifest
 from .references import BaseRecord
 from .storage import Store
@@ -25,8 +26,6 @@ def find_base(manifest: Manifest, location: str) -> BaseRecord:
 
 def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -> Store:
     """The store of base ``location`` of the checkpoint in ``own`` (``referrer``: its id, for messages)."""
-    from .reader import read_manifest_bytes
-
     base = find_base(manifest, location)
     try:
         store = own.sibling(base.name)
@@ -77,8 +76,6 @@ def check_bases_still_there(store: Store, manifest: Manifest) -> None:
     lock names the bases only from then on, REF-13). A manifest committed over a vanished base would be refused
     by every reader (REF-7): the save fails instead, and nothing is committed.
     """
-    from .reader import read_manifest_bytes
-
     for base in manifest.bases:
         try:
             found = checkpoint_id(read_manifest_bytes(store.sibling(base.name)))

@@ -44,7 +44,7 @@ from .manifest import (
 )
 from .profiles import PROFILES
 from .references import EXTENSION as REFERENCES
-from .references import parse_bases, referenced_sizes, virtual_path
+from .references import BaseFile, BaseRecord, check_location, referenced_sizes, virtual_path
 
 MAX_JSON_DEPTH = 64  # MAN-26: the top-level object is level 1
 MAX_INT_DIGITS = 20  # MAN-26: enough for any 64-bit integer, signed or unsigned (as ckptfmt.jsonio)
@@ -221,12 +221,8 @@ def _parse_extensions(value: object) -> tuple[Extension, ...]:
     return tuple(out)
 
 
-def parse_file_records(value: object) -> tuple[FileRecord, ...]:
-    """An array of file records (MAN-13..16): ``files``, and a base's files (spec/references.md)."""
-    return _parse_files(value)
-
-
 def _parse_files(value: object) -> tuple[FileRecord, ...]:
+    """An array of file records (MAN-13..16): ``files``, and a base's files (spec/references.md)."""
     if type(value) is not list:
         raise ManifestError("'files' must be an array", requirement=_rule(value, "MAN-11"))
     out = []
@@ -243,6 +239,45 @@ def _parse_files(value: object) -> tuple[FileRecord, ...]:
         digest = _digest(raw.get("digest"), "file 'digest'", "MAN-15", path=path)
         out.append(FileRecord(path=path, size=size, digest=digest))
     return tuple(out)
+
+
+_CHECKPOINT_ID = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def parse_bases(must_understand: bool, configuration: Mapping[str, object] | None) -> tuple[BaseRecord, ...]:
+    """The ``ckptfmt.references`` extension's bases, checked as REF-1..REF-5 require."""
+    if not must_understand:
+        raise ManifestError(f"extension {REFERENCES!r} must be marked must_understand", requirement="REF-1")
+    bases = (configuration or {}).get("bases")
+    if type(bases) is not list or not bases:
+        raise ManifestError(f"extension {REFERENCES!r} needs a non-empty array 'bases'", requirement="REF-2")
+    out: list[BaseRecord] = []
+    seen: set[str] = set()
+    for raw in bases:
+        if type(raw) is not dict:
+            raise ManifestError("a base record must be an object", requirement="REF-2")
+        location = check_location(raw.get("location"))
+        if location in seen:
+            raise ManifestError(f"base {location!r} is listed twice", requirement="REF-3")
+        seen.add(location)
+        ckpt_id = raw.get("checkpoint_id")
+        if not isinstance(ckpt_id, str) or _CHECKPOINT_ID.fullmatch(ckpt_id) is None:
+            raise ManifestError(
+                f"base {location!r}: 'checkpoint_id' must be 'sha256:' and 64 lowercase hex digits",
+                requirement="REF-4",
+            )
+        out.append(BaseRecord(location=location, checkpoint_id=ckpt_id, files=_base_files(location, raw.get("files"))))
+    return tuple(out)
+
+
+def _base_files(location: str, value: object) -> tuple[BaseFile, ...]:
+    if type(value) is not list or not value:
+        raise ManifestError(f"base {location!r}: 'files' must be a non-empty array", requirement="REF-5")
+    try:
+        records = _parse_files(value)  # the file records' own rules (MAN-13..16)
+    except ManifestError as exc:
+        raise ManifestError(f"base {location!r}: {exc.message}", path=exc.path, requirement=exc.requirement) from exc
+    return tuple(BaseFile(path=r.path, size=r.size, digest=r.digest) for r in records)
 
 
 _DIGEST = re.compile(r"xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64}")

@@ -31,9 +31,10 @@ from .manifest import (
     Manifest,
     TensorRecord,
 )
+from .manifest_parse import parse_bases
 from .paths import check_field_name, tensor_name_problem
 from .profiles import PROFILES
-from .references import BaseRecord, check_location, parse_bases
+from .references import BaseRecord, check_location
 
 Shape = tuple[int, ...]
 RAW_WRITE = WriteCodec()

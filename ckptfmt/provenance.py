@@ -10,14 +10,14 @@ import subprocess
 from collections.abc import Mapping
 from importlib import metadata
 
-from . import __version__
+from ._version import __version__
 
 
 def git_state(cwd: str | None = None) -> dict[str, object] | None:
     """``{"commit", "dirty"}`` of the git repository around ``cwd``, or None when there is none (never raises).
 
     Looked up once per directory per process: the code a process runs is what it imported when it started,
-    and two ``git`` processes cost ~12 ms, which every save and every load's comparison would otherwise pay.
+    and two ``git`` processes are a cost every save and every load's comparison would otherwise pay.
     """
     found = _git_state(os.path.realpath(cwd or os.getcwd()))
     return None if found is None else dict(found)
@@ -50,8 +50,8 @@ def versions(*packages: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=8)
 def _versions(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    # Installed versions do not change under a running process; reading package metadata costs ~4 ms a call,
-    # which a memory snapshot every step would pay every step.
+    # Installed versions do not change under a running process; reading package metadata searches sys.path on
+    # every call, which a memory snapshot every step would pay every step.
     out = {"python": platform.python_version(), "ckptfmt": __version__}
     for name in packages:
         try:

@@ -30,12 +30,10 @@ import numpy as np
 
 from . import dtypes, host_memory
 from .arrays import byte_view
-from .blocks import HEX_DIGITS, BlockHasher, Blocks
 from .codecs import get_codec
-from .digests import Hasher, algorithm_of, format_digest, new_hasher
-from .errors import CheckpointError, DigestMismatchError, UsageError
+from .digest_checks import Span, SpanHasher
+from .errors import CheckpointError, UsageError
 from .file_checks import FileChecks
-from .manifest import ChunkRecord
 from .read_plan import Piece, ReadPlan, Target
 from .storage import RangeReader, Store
 
@@ -195,30 +193,10 @@ class ReadExecutor:
         """The file's pieces as few streams as their ranges allow (runs of ranges at most ``CHECK_GAP`` apart, read
         ahead), each byte handed to the hasher of every piece that holds it; a piece is compared as it ends."""
         todo = sorted((p for p in pieces if p.check != "none"), key=lambda p: (p.begin, p.end))
-        hashers = [_piece_hasher(p) for p in todo]
-        first = 0  # the first piece not compared yet
-
-        def consume(at: int, view: memoryview) -> None:
-            nonlocal first
-            end = at + len(view)
-            for k in range(first, len(todo)):
-                piece = todo[k]
-                if piece.begin >= end:
-                    break
-                lo, hi = max(piece.begin, at), min(piece.end, end)
-                if hi > lo:
-                    hashers[k].update(view[lo - at : hi - at])
-                if piece.end <= end and k == first:
-                    first += 1
-                    target = plan.targets[piece.target]
-                    try:
-                        _compare_piece(piece, hashers[k])
-                    except CheckpointError as exc:
-                        exc.locate(path=path, field=target.field, tensor=target.tensor)
-                        raise
-
+        spans = SpanHasher((_piece_span(p, plan.targets[p.target]) for p in todo), _raise_mismatch)
         for begin, end in _check_runs(todo):
-            self._stream(path, begin, end, consume, keep_cached=True)
+            self._stream(path, begin, end, spans.update, keep_cached=True)
+        spans.close()
 
     def forget(self, plan: ReadPlan) -> None:
         """Drop from the page cache what :meth:`check` of ``plan`` read and kept there for a fill that will not come
@@ -367,10 +345,8 @@ def _finish(live: _Live, verify: bool) -> None:
     """A piece whose bytes have all arrived: check them, then decode or copy them into the target."""
     piece, chunk = live.piece, live.piece.chunk
     views = [view for _, view in live.segments]
-    if verify and piece.check == "chunk":
-        check_chunk(chunk, *views)
-    elif verify and piece.check == "blocks":
-        check_block_views(piece, views)
+    if verify and piece.check in ("chunk", "blocks"):
+        _piece_span(piece).check(*views)
     if piece.span is not None:
         itemsize = live.array.dtype.itemsize
         raw = memoryview(bytearray(piece.span.raw_end - piece.span.raw_begin))
@@ -391,18 +367,22 @@ def _check_runs(pieces: Sequence[Piece]) -> list[tuple[int, int]]:
     return [(begin, end) for begin, end in runs]
 
 
-def _piece_hasher(piece: Piece) -> Hasher | BlockHasher:
-    algorithm = algorithm_of(piece.chunk.digest)
-    if piece.check == "blocks" and piece.chunk.blocks is not None:
-        return BlockHasher(algorithm, piece.chunk.blocks.size)
-    return new_hasher(algorithm)
+def _piece_span(piece: Piece, target: Target | None = None) -> Span:
+    """The check of a piece: its chunk digest, or the block digests of the blocks it reads (BLK-5)."""
+    return Span(
+        piece.chunk,
+        piece.begin,
+        piece.end,
+        first_block=piece.first_block if piece.check == "blocks" else None,
+        field=None if target is None else target.field,
+        tensor=None if target is None else target.tensor,
+    )
 
 
-def _compare_piece(piece: Piece, hasher: Hasher | BlockHasher) -> None:
-    if isinstance(hasher, BlockHasher):
-        _compare_blocks(piece, hasher.finish())
-    else:
-        _compare_chunk(piece.chunk, format_digest(algorithm_of(piece.chunk.digest), hasher))
+def _raise_mismatch(span: Span) -> None:
+    error = span.mismatch()
+    if error is not None:
+        raise error
 
 
 def _destination(target: Target, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -419,52 +399,6 @@ def _destination(target: Target, array: np.ndarray[Any, Any]) -> np.ndarray[Any,
     if not (array.flags.c_contiguous and array.flags.writeable):
         raise UsageError("a destination must be C-contiguous and writable", field=target.field, tensor=target.tensor)
     return array
-
-
-def check_chunk(chunk: ChunkRecord, *views: memoryview) -> None:
-    """DIG-4: raise DigestMismatchError unless the chunk's bytes (``views``, back to back) hash to its digest."""
-    algorithm = algorithm_of(chunk.digest)
-    hasher = new_hasher(algorithm)
-    for view in views:
-        hasher.update(view)
-    _compare_chunk(chunk, format_digest(algorithm, hasher))
-
-
-def _compare_chunk(chunk: ChunkRecord, actual: str) -> None:
-    if actual != chunk.digest:
-        raise DigestMismatchError(
-            f"bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
-            path=chunk.path,
-            requirement="DIG-4",
-        )
-
-
-def check_block_views(piece: Piece, views: Sequence[memoryview]) -> None:
-    """BLK-5: every whole block read is checked against its digest before any byte of the chunk is used."""
-    chunk, blocks = piece.chunk, piece.chunk.blocks
-    assert blocks is not None
-    algorithm = algorithm_of(chunk.digest)
-    hasher = BlockHasher(algorithm, blocks.size)
-    for view in views:
-        hasher.update(view)
-    _compare_blocks(piece, hasher.finish())
-
-
-def _compare_blocks(piece: Piece, found: Blocks) -> None:
-    chunk, blocks = piece.chunk, piece.chunk.blocks
-    assert blocks is not None
-    algorithm = algorithm_of(chunk.digest)
-    width = HEX_DIGITS[algorithm]
-    for i in range(len(found.digests) // width):
-        index = piece.first_block + i
-        if found.digests[i * width : (i + 1) * width] != blocks.digests[index * width : (index + 1) * width]:
-            at = chunk.begin + index * blocks.size
-            raise DigestMismatchError(
-                f"block {index} of chunk {chunk.key!r} (bytes [{at}, {min(at + blocks.size, chunk.end)})) hashes to "
-                f"{found.digest(algorithm, i)}, manifest says {blocks.digest(algorithm, index)}",
-                path=chunk.path,
-                requirement="BLK-5",
-            )
 
 
 def _copy(piece: Piece, raw: memoryview, array: np.ndarray[Any, Any]) -> None:

@@ -18,51 +18,31 @@ import numpy as np
 from . import dtypes
 from .bases import open_base
 from .context import decode
+from .digest_checks import check_chunk
 from .digests import algorithm_of, digest_of
 from .errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     DigestMismatchError,
     FieldNotFoundError,
-    IncompleteCheckpointError,
-    MissingFileError,
     SizeMismatchError,
-    UnsafePathError,
 )
 from .fields import check_standard_field
 from .file_checks import FileChecks
 from .manifest import (
-    MAX_MANIFEST_BYTES,
     RAW,
     FieldRecord,
     Manifest,
     TensorRecord,
     checkpoint_id,
 )
+from .manifest_io import read_manifest_bytes as read_manifest_bytes  # (its old home: still importable here)
 from .manifest_parse import parse_manifest
 from .paths import MANIFEST_NAME
-from .read_executor import ReadExecutor, check_chunk, default_workers
+from .read_executor import ReadExecutor, default_workers
 from .read_plan import ReadPlan, Target, plan_read, whole
 from .storage import Store, open_store
 from .storage.routed import RoutedStore
 from .verify import VerifyReport, verify_checkpoint
-
-
-def read_manifest_bytes(store: Store) -> bytes:
-    """The manifest's bytes, or the error that says why there is no committed checkpoint here."""
-    try:
-        return store.read(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
-    except UnsafePathError as exc:  # a symlink, FIFO, directory... where manifest.json should be
-        raise UnsafePathError(exc.message, path=MANIFEST_NAME, requirement="MAN-25") from exc
-    except MissingFileError:
-        present = [p for p in store.list() if p != MANIFEST_NAME]
-        if present:
-            raise IncompleteCheckpointError(
-                f"{len(present)} file(s) but no manifest commits them: a writer crashed or is still running",
-                path=store.url,
-                requirement="COM-15",
-            ) from None
-        raise CheckpointNotFoundError("no checkpoint here", path=store.url) from None
 
 
 class Checkpoint:
@@ -304,6 +284,32 @@ def open_store_checkpoint(store: Store) -> Checkpoint:
     return Checkpoint(store, manifest, data)
 
 
+def open_for_verify(
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    quick: bool = False,
+    raise_if: Callable[[CheckpointError], bool] | None = None,
+) -> Checkpoint | VerifyReport:
+    """The checkpoint at ``url`` to verify, or, when it cannot be opened, the report of why: an unopenable
+    checkpoint (nothing there, incomplete, an invalid manifest or unknown major...) is a report, not an error.
+
+    ``raise_if``: the errors the caller treats as its own instead (``ckpt verify``: nothing at the URL and
+    failing storage, which exit as usage errors). A URL no store can be opened for raises as for
+    :func:`open_checkpoint`.
+    """
+    store = open_store(url, storage_options)
+    try:
+        return open_store_checkpoint(store)
+    except CheckpointError as exc:
+        store.close()
+        if raise_if is not None and raise_if(exc):
+            raise
+        report = VerifyReport(url=store.url, quick=quick)
+        report.add(exc)
+        return report
+
+
 def verify_url(
     url: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
@@ -311,12 +317,10 @@ def verify_url(
     quick: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """Verify whatever is at ``url``: a checkpoint that cannot even be opened is a report with that problem."""
-    try:
-        ckpt = open_checkpoint(url, storage_options)
-    except CheckpointError as exc:
-        report = VerifyReport(url=open_store(url, storage_options).url, quick=quick)
-        report.add(exc)
-        return report
-    with ckpt:
-        return ckpt.verify(quick=quick, progress=progress)
+    """Verify whatever is at ``url``: a checkpoint that cannot even be opened is a report with that problem
+    (:func:`open_for_verify`)."""
+    opened = open_for_verify(url, storage_options, quick=quick)
+    if isinstance(opened, VerifyReport):
+        return opened
+    with opened:
+        return opened.verify(quick=quick, progress=progress)

@@ -11,8 +11,7 @@ works unchanged over a store that routes ``../<name>/`` to the base (:class:`~ck
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import paths
@@ -20,7 +19,6 @@ from .errors import ManifestError
 
 EXTENSION = "ckptfmt.references"
 PARENT = "../"
-_ID = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,44 +77,6 @@ def check_location(value: object) -> str:
             requirement="REF-3",
         )
     return value
-
-
-def parse_bases(must_understand: bool, configuration: Mapping[str, object] | None) -> tuple[BaseRecord, ...]:
-    """The ``ckptfmt.references`` extension's bases, checked as REF-1..REF-5 require."""
-    if not must_understand:
-        raise ManifestError(f"extension {EXTENSION!r} must be marked must_understand", requirement="REF-1")
-    bases = (configuration or {}).get("bases")
-    if type(bases) is not list or not bases:
-        raise ManifestError(f"extension {EXTENSION!r} needs a non-empty array 'bases'", requirement="REF-2")
-    out: list[BaseRecord] = []
-    seen: set[str] = set()
-    for raw in bases:
-        if type(raw) is not dict:
-            raise ManifestError("a base record must be an object", requirement="REF-2")
-        location = check_location(raw.get("location"))
-        if location in seen:
-            raise ManifestError(f"base {location!r} is listed twice", requirement="REF-3")
-        seen.add(location)
-        ckpt_id = raw.get("checkpoint_id")
-        if not isinstance(ckpt_id, str) or _ID.fullmatch(ckpt_id) is None:
-            raise ManifestError(
-                f"base {location!r}: 'checkpoint_id' must be 'sha256:' and 64 lowercase hex digits",
-                requirement="REF-4",
-            )
-        out.append(BaseRecord(location=location, checkpoint_id=ckpt_id, files=_files(location, raw.get("files"))))
-    return tuple(out)
-
-
-def _files(location: str, value: object) -> tuple[BaseFile, ...]:
-    from .manifest_parse import parse_file_records  # the file records' own rules (MAN-13..16)
-
-    if type(value) is not list or not value:
-        raise ManifestError(f"base {location!r}: 'files' must be a non-empty array", requirement="REF-5")
-    try:
-        records = parse_file_records(value)
-    except ManifestError as exc:
-        raise ManifestError(f"base {location!r}: {exc.message}", path=exc.path, requirement=exc.requirement) from exc
-    return tuple(BaseFile(path=r.path, size=r.size, digest=r.digest) for r in records)
 
 
 def referenced_sizes(bases: Iterable[BaseRecord]) -> dict[str, int]:

@@ -17,12 +17,51 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .run import Entry
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
+
+Status = Literal["committed", "incomplete", "writing", "invalid manifest"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One checkpoint (or the remains of one) in a run directory."""
+
+    name: str
+    step: int | None
+    status: Status
+    size: int
+    files: int
+    checkpoint_id: str | None = None
+    profile: str | None = None
+    created: str | None = None
+    error: dict[str, str] | None = None  # CheckpointError.to_dict(): why the manifest or provenance is unreadable
+    # Paths (relative to the checkpoint) no ckptfmt writer makes: neither listed by the manifest nor named
+    # as a writer names its files, or (uncommitted, local) a symlink or special file. gc never deletes them,
+    # and leaves an uncommitted checkpoint holding any alone.
+    foreign: tuple[str, ...] = ()
+    # The checkpoints (sibling names) it references chunks of: from its manifest when committed (read leniently
+    # when the manifest is refused), from its writer lock otherwise. ``size`` counts only its own files;
+    # ``referenced_bytes`` the stored bytes of the chunks it references in its bases instead of storing them.
+    bases: tuple[str, ...] = ()
+    referenced_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "step": self.step,
+            "status": self.status,
+            "size": self.size,
+            "files": self.files,
+            "checkpoint_id": self.checkpoint_id,
+            "profile": self.profile,
+            "created": self.created,
+            "error": self.error,
+            "foreign": list(self.foreign),
+            "bases": list(self.bases),
+            "referenced_bytes": self.referenced_bytes,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,11 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
-from .blocks import BlockHasher
 from .codecs import get_codec
 from .context import decode
-from .digests import Hasher, algorithm_of, format_digest, new_hasher
-from .errors import CheckpointError, UnsafePathError, UsageError
+from .digest_checks import Span, SpanHasher
+from .digests import algorithm_of, format_digest, new_hasher
+from .errors import (
+    CheckpointError,
+    DigestMismatchError,
+    MissingFileError,
+    SizeMismatchError,
+    UnsafePathError,
+    UsageError,
+)
 from .fields import check_standard_field
 from .file_checks import FileChecks
 from .manifest import RAW, ChunkRecord, FieldRecord, FileRecord, Manifest
@@ -90,10 +97,6 @@ class VerifyReport:
         }
 
 
-def _problem(code: str, message: str, **where: Any) -> Problem:
-    return Problem(code=code, message=message, **where)
-
-
 @dataclass(frozen=True, slots=True)
 class _Target:
     """What verification reads: a checkpoint's store, manifest and file checks."""
@@ -152,7 +155,6 @@ def _verify(ckpt: _Target, quick: bool, progress: Callable[[int], None] | None, 
         if any(file.path.startswith(u + "/") for u in unusable):
             continue  # its base is gone or replaced: reported once, above
         fname, chunk_list = owners.get(file.path, ("", []))
-        where = {"path": file.path, "field": fname or None}
         if file.path not in present or present[file.path] != file.size:
             # a symlink (PTH-3) or a special file (PTH-4) also looks missing or of another size: the
             # regular-file open of the store says which, before MAN-28 or MAN-19 is blamed
@@ -162,16 +164,16 @@ def _verify(ckpt: _Target, quick: bool, progress: Callable[[int], None] | None, 
                 report.add(exc.locate(path=file.path, field=fname or None))
                 continue
         if file.path not in present:
-            report.problems.append(_problem("missing_file", "file is missing", requirement="MAN-28", **where))
+            report.add(MissingFileError("file is missing", path=file.path, field=fname or None, requirement="MAN-28"))
             continue
         actual_size = present[file.path]
         if actual_size != file.size:
-            report.problems.append(
-                _problem(
-                    "size_mismatch",
+            report.add(
+                SizeMismatchError(
                     f"file has {actual_size} bytes, manifest says {file.size}",
+                    path=file.path,
+                    field=fname or None,
                     requirement="MAN-19",
-                    **where,
                 )
             )
             if progress:
@@ -307,98 +309,36 @@ def _check_digests(
     report: VerifyReport,
     progress: Callable[[int], None] | None,
 ) -> None:
-    """One pass over the file feeding the file hasher and the hasher of whichever chunk each byte is in."""
+    """One pass over the file feeding the file hasher and the spans of every chunk: its chunk digest, and its
+    block digests (BLK-6: reported even when the chunk digest matches)."""
     file_hasher = new_hasher(algorithm_of(digest))
-    spans = sorted(chunk_list, key=lambda item: item[1].begin)
-    open_spans: list[tuple[str, ChunkRecord, Hasher, BlockHasher | None]] = []
-    next_span = 0
+    spans: list[Span] = []
+    for tname, chunk in chunk_list:
+        if chunk.blocks is not None:
+            spans.append(Span(chunk, first_block=0, rule="BLK-6", field=fname, tensor=tname))
+        spans.append(Span(chunk, field=fname, tensor=tname))
+
+    def done(span: Span) -> None:
+        if span.first_block is None:
+            report.chunks_checked += 1
+        error = span.mismatch()
+        if error is not None:
+            report.add(error)
+
+    chunks = SpanHasher(spans, done)
 
     def consume(pos: int, view: memoryview) -> None:
-        nonlocal open_spans, next_span
-        n = len(view)
         file_hasher.update(view)
-        end = pos + n
-        while next_span < len(spans) and spans[next_span][1].begin < end:
-            tname, chunk = spans[next_span]
-            algorithm = algorithm_of(chunk.digest)
-            blocks = None if chunk.blocks is None else BlockHasher(algorithm, chunk.blocks.size)
-            open_spans.append((tname, chunk, new_hasher(algorithm), blocks))
-            next_span += 1
-        still_open = []
-        for tname, chunk, hasher, blocks in open_spans:
-            lo, hi = max(chunk.begin, pos), min(chunk.end, end)
-            if hi > lo:
-                hasher.update(view[lo - pos : hi - pos])
-                if blocks is not None:
-                    blocks.update(view[lo - pos : hi - pos])
-            if chunk.end <= end:
-                _finish_chunk(tname, chunk, hasher, path, fname, report, blocks)
-            else:
-                still_open.append((tname, chunk, hasher, blocks))
-        open_spans = still_open
+        chunks.update(pos, view)
         if progress:
-            progress(n)
+            progress(len(view))
 
     ckpt.executor.scan(path, size, consume)
-    for tname, chunk in spans[next_span:]:  # zero-byte chunks at the very end
-        _finish_chunk(tname, chunk, new_hasher(algorithm_of(chunk.digest)), path, fname, report)
-    for tname, chunk, hasher, blocks in open_spans:
-        _finish_chunk(tname, chunk, hasher, path, fname, report, blocks)
+    chunks.close()
     actual = format_digest(algorithm_of(digest), file_hasher)
     if actual != digest:
-        report.problems.append(
-            _problem(
-                "digest_mismatch",
-                f"file hashes to {actual}, manifest says {digest}",
-                path=path,
-                field=fname,
-                requirement="DIG-4",
-            )
-        )
-
-
-def _finish_chunk(
-    tname: str,
-    chunk: ChunkRecord,
-    hasher: Hasher,
-    path: str,
-    fname: str,
-    report: VerifyReport,
-    blocks: BlockHasher | None = None,
-) -> None:
-    report.chunks_checked += 1
-    if blocks is not None and chunk.blocks is not None:
-        found = blocks.finish()
-        if found.digests != chunk.blocks.digests:  # BLK-6, reported even when the chunk digest matches
-            width = len(found.digests) // max(1, found.count(chunk.nbytes))
-            index = next(
-                i
-                for i in range(found.count(chunk.nbytes))
-                if found.digests[i * width : (i + 1) * width] != chunk.blocks.digests[i * width : (i + 1) * width]
-            )
-            at = chunk.begin + index * found.size
-            report.problems.append(
-                _problem(
-                    "digest_mismatch",
-                    f"chunk {chunk.key!r} block {index} (bytes [{at}, {min(at + found.size, chunk.end)})) hashes to "
-                    f"{found.digest(algorithm_of(chunk.digest), index)}, manifest says "
-                    f"{chunk.blocks.digest(algorithm_of(chunk.digest), index)}",
-                    path=path,
-                    field=fname,
-                    tensor=tname,
-                    requirement="BLK-6",
-                )
-            )
-    actual = format_digest(algorithm_of(chunk.digest), hasher)
-    if actual != chunk.digest:
-        report.problems.append(
-            _problem(
-                "digest_mismatch",
-                f"chunk {chunk.key!r} bytes [{chunk.begin}, {chunk.end}) hash to {actual}, "
-                f"manifest says {chunk.digest}",
-                path=path,
-                field=fname,
-                tensor=tname,
-                requirement="DIG-4",
+        report.add(
+            DigestMismatchError(
+                f"file hashes to {actual}, manifest says {digest}", path=path, field=fname, requirement="DIG-4"
             )
         )

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import __version__, layout
+from . import layout
 from . import plan as plan_module
+from ._version import __version__
 from .arrays import as_array
 from .bases import check_bases_still_there
 from .blocks import DEFAULT_BLOCK_BYTES

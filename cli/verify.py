@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 import ckptfmt
-from ckptfmt.errors import CheckpointError
+from ckptfmt.reader import open_for_verify
 
 from .errors import FAILED, OK, USAGE, exit_code_for, reports_errors
 from .options import json_output, quiet, storage_options
@@ -17,19 +17,14 @@ from .output import ProgressBar, emit_json, human_bytes
 def run_verify(url: str, storage_options: dict[str, Any], *, quick: bool, quiet: bool) -> ckptfmt.VerifyReport:
     """The report; a checkpoint that cannot be opened (incomplete, invalid manifest) is a report too.
 
-    Errors that are not about the checkpoint (nothing there, storage failing) propagate.
+    Errors that are not about the checkpoint (nothing there, storage failing) propagate, to exit as usage errors.
     """
-    try:
-        ckpt = ckptfmt.open(url, storage_options)
-    except CheckpointError as exc:
-        if exit_code_for(exc) != FAILED:
-            raise
-        report = ckptfmt.VerifyReport(url=ckptfmt.open_store(url, storage_options).url, quick=quick)
-        report.add(exc)
-        return report
-    with ckpt, ProgressBar("verify", quiet=quiet) as bar:
-        bar.start(ckpt.manifest.total_bytes)
-        return ckpt.verify(quick=quick, progress=bar.advance)
+    opened = open_for_verify(url, storage_options, quick=quick, raise_if=lambda exc: exit_code_for(exc) != FAILED)
+    if isinstance(opened, ckptfmt.VerifyReport):
+        return opened
+    with opened, ProgressBar("verify", quiet=quiet) as bar:
+        bar.start(opened.manifest.total_bytes)
+        return opened.verify(quick=quick, progress=bar.advance)
 
 
 def _render(report: ckptfmt.VerifyReport) -> str:

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 import ckptfmt
-from ckptfmt.errors import UsageError
+from ckptfmt.blocks import BlockHasher
+from ckptfmt.digest_checks import Span, SpanHasher
+from ckptfmt.digests import digest_of
+from ckptfmt.errors import DigestMismatchError, UsageError
+from ckptfmt.manifest import ChunkRecord
 from ckptfmt.storage import Store
 
 
@@ -199,3 +203,50 @@ def test_a_local_reader_streams_dropping_reads_on_its_descriptor_and_opens_one_p
         reader.read_ranges([(256, kept)])
         reader.read_ranges([(512, memoryview(bytearray(8)))])
         assert bytes(kept) == bytes(range(8)) and opened == ["f.bin"] * 3
+
+
+def _chunk(data: bytes, key: str, begin: int, end: int, *, block: int | None = None) -> ChunkRecord:
+    """A chunk record of ``data[begin:end]`` whose digests are right (block digests of ``block`` bytes if given)."""
+    blocks = None
+    if block is not None:
+        hasher = BlockHasher("xxh3-128", block)
+        hasher.update(memoryview(data)[begin:end])
+        blocks = hasher.finish()
+    digest = digest_of("xxh3-128", data[begin:end])
+    return ChunkRecord(
+        path="f", key=key, offsets=(0,), shape=(end - begin,), begin=begin, end=end, digest=digest, blocks=blocks
+    )
+
+
+def test_the_span_hasher_hands_on_each_span_as_its_last_byte_passes_across_gaps_and_views() -> None:
+    data = bytes(range(256)) * 64  # 16 KiB
+    a, b = _chunk(data, "a", 0, 5000), _chunk(data, "b", 5000, 13192, block=4096)
+    empty = _chunk(data, "e", len(data), len(data))
+    spans = [Span(b, 5000 + 4096, 13192, first_block=1), Span(a), Span(empty)]  # not in file order
+    done: list[tuple[str, int, DigestMismatchError | None]] = []
+    hasher = SpanHasher(spans, lambda s: done.append((s.chunk.key, s.end, s.mismatch())))
+    view = memoryview(data)
+    for at, end in [(0, 3000), (3000, 5000), (9096, 10000), (10000, 13192)]:  # [5000, 9096) is never read
+        hasher.update(at, view[at:end])
+        if end == 5000:
+            assert [key for key, _, _ in done] == ["a"]  # compared as its last byte passed, before b began
+    assert [key for key, _, _ in done] == ["a", "b"]
+    hasher.close()  # the empty chunk at the end of the file, which no view reached
+    assert done == [("a", 5000, None), ("b", 13192, None), ("e", len(data), None)]
+
+
+def test_a_span_names_the_first_block_or_the_chunk_its_bytes_do_not_hash_to() -> None:
+    data = bytearray(bytes(range(256)) * 64)
+    chunk = _chunk(bytes(data), "w", 0, len(data), block=4096)
+    data[2 * 4096 + 7] ^= 1
+    whole, blocks = Span(chunk, field="weights", tensor="w"), Span(chunk, first_block=0, rule="BLK-6")
+    for span in (whole, blocks):
+        span.hasher.update(memoryview(bytes(data)))
+    chunk_error, block_error = whole.mismatch(), blocks.mismatch()
+    assert chunk_error is not None and block_error is not None
+    assert (chunk_error.requirement, chunk_error.field, chunk_error.tensor) == ("DIG-4", "weights", "w")
+    assert block_error.requirement == "BLK-6" and "chunk 'w' block 2 (bytes [8192, 12288))" in block_error.message
+    tail = Span(chunk, 8192, len(data), first_block=2)  # the blocks from block 2 on, as a partial read checks them
+    with pytest.raises(DigestMismatchError, match="block 2 ") as info:
+        tail.check(memoryview(bytes(data))[8192:])
+    assert info.value.requirement == "BLK-5"

@@ -6,6 +6,7 @@ import json
 import struct
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,16 @@ import pytest
 import ckptfmt
 from ckptfmt.canonical import config_hash
 from ckptfmt.context import encode
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DigestMismatchError,
+    IncompleteCheckpointError,
+    MissingFileError,
+    SizeMismatchError,
+)
+from ckptfmt.read_plan import Target
+from ckptfmt.reader import open_for_verify
 
 Raw = Any  # the conftest ``raw`` helper bundle
 WEIGHTS_FILE = "weights/r00000-00000.safetensors"
@@ -188,6 +199,8 @@ def test_all_problems_are_reported_at_once(training: str, raw: Raw) -> None:
     report = ckptfmt.verify(training)
     assert len(report.problems) == 6, [str(p) for p in report.problems]
     assert codes(report) == {"digest_mismatch": 2, "size_mismatch": 2, "missing_file": 1, "config_hash_mismatch": 1}
+    # the codes are the error classes' (a problem is an error reported instead of raised)
+    assert {DigestMismatchError.code, SizeMismatchError.code, MissingFileError.code} <= set(codes(report))
     assert not report.ok
     as_dict = report.to_dict()
     assert as_dict["ok"] is False and len(as_dict["problems"]) == 6
@@ -221,3 +234,36 @@ def test_verify_of_an_empty_location(store_url: str) -> None:
 def test_verify_of_an_unknown_major(training: str, raw: Raw) -> None:
     raw.edit_manifest(training, lambda d: d.update(format_version="2.0"))
     assert codes(ckptfmt.verify(training)) == {"unsupported_version": 1}
+
+
+def test_a_flipped_block_is_the_same_error_to_a_read_and_to_verify(store_url: str, raw: Raw) -> None:
+    """One span hasher: the read executor's check raises (BLK-5) what verification reports (BLK-6)."""
+    with ckptfmt.open_writer(store_url, profile="weights", block_bytes=4096) as w:
+        w.write_tensor("weights", "w", np.arange(4 * 4096, dtype=np.float32).reshape(16, 1024))
+    chunk = chunk_of(store_url, "weights", "w")
+    flip(store_url, raw, chunk.path, chunk.begin + 2 * 4096 + 5)
+    with ckptfmt.open(store_url) as ckpt, pytest.raises(DigestMismatchError) as raised:
+        ckpt.check_regions([Target("weights", "w", "F32", (2, 0), (1, 1024))])  # row 2: block 2 alone
+    report = ckptfmt.verify(store_url)
+    blocks = [p for p in report.problems if p.requirement == "BLK-6"]
+    assert [p.message for p in blocks] == [raised.value.message] and raised.value.requirement == "BLK-5"
+    assert blocks[0].tensor == raised.value.tensor == "w" and "block 2 " in blocks[0].message
+    assert codes(report) == {"digest_mismatch": 3}  # the block, the chunk, the file
+
+
+def test_one_rule_for_what_cannot_be_opened(training: str, raw: Raw, tmp_path: Path) -> None:
+    """An unopenable checkpoint is a report; a caller names the errors it treats as its own (``ckpt verify``:
+    nothing there), which then propagate."""
+
+    def about_the_request(exc: CheckpointError) -> bool:
+        return isinstance(exc, CheckpointNotFoundError)
+
+    nothing = str(tmp_path / "nothing")
+    report = open_for_verify(nothing)
+    assert isinstance(report, ckptfmt.VerifyReport) and codes(report) == {"not_found": 1}
+    with pytest.raises(CheckpointNotFoundError):
+        open_for_verify(nothing, raise_if=about_the_request)
+    raw.delete(training, "manifest.json")
+    report = open_for_verify(training, quick=True, raise_if=about_the_request)
+    assert isinstance(report, ckptfmt.VerifyReport) and report.quick
+    assert codes(report) == {IncompleteCheckpointError.code: 1} and report.checkpoint_id is None

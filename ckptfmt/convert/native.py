@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from .base import ConvertResult, NoProgress, Progress
 
 

@@ -18,9 +18,9 @@ from typing import Literal
 
 from ..errors import CheckpointError, MalformedMessageError
 from ..manifest import Manifest, checkpoint_id
+from ..manifest_io import read_manifest_bytes
 from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
-from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore
 from .binding import SlotBinding, normalize_run_url
 from .nodes import NodeMap

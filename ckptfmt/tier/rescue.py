@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from ..errors import CheckpointError, IntegrityError, UnsafePathError
 from ..manifest import checkpoint_id
+from ..manifest_io import read_manifest_bytes
 from ..manifest_parse import parse_manifest
-from ..reader import read_manifest_bytes
 from ..run import RunDirectory
 from ..storage.base import Store
 from ..storage.overlay import OverlayStore
