@@ -85,7 +85,7 @@ class _Live:
 def default_workers(store: Store) -> int:
     """Reads in flight: on a local disk one per core this process has, shared with the other processes of the job
     on this node (torchrun's ``LOCAL_WORLD_SIZE``), from 1 to 4 (the copy out of the page cache and the hashing
-    are CPU work: on 2 cores, 4 readers loaded 192 MiB in 0.15 s against 0.11 s for 2); on object stores 8,
+    are CPU work, so more readers than cores only compete: docs/benchmarks.md); on object stores 8,
     since each request mostly waits on the network."""
     if store.capabilities.local:
         return max(1, min(4, usable_cores() // local_processes()))
@@ -185,8 +185,8 @@ class ReadExecutor:
         by_file = plan.by_file()
         first = {path: plan.targets[pieces[0].target] for path, pieces in by_file.items()}
         self._check_files({path: (t.field, t.tensor) for path, t in sorted(first.items())})
-        # One stream per file (splitting the largest file in two to keep both readers busy measured slower: 0.167 s
-        # against 0.152 s for 192 MiB in two files, median of 10; the kernel's readahead restarts with each stream).
+        # One stream per file (splitting the largest file in two to keep both readers busy measured slower: the
+        # kernel's readahead restarts with each stream; docs/benchmarks.md).
         self._run([functools.partial(self._check_file, path, pieces, plan) for path, pieces in by_file.items()])
 
     def _check_file(self, path: str, pieces: Sequence[Piece], plan: ReadPlan) -> None:

@@ -64,9 +64,8 @@ class Checkpoint:
         self._executor = ReadExecutor(store, self.checks)
         # Page cache (local disks): False (the default) drops what a read brought in once the bytes are in their
         # arrays: a checkpoint is read once, and should not evict what the training job keeps cached (its
-        # dataset). Measured too: with the pages kept, later loads of a 4-rank FSDP2 state read at half speed
-        # (bench/multirank.py: 0.45-0.79x DCP, 1.70-1.86x with them dropped). True keeps them, for a caller that
-        # reads the same bytes again soon.
+        # dataset), nor slow the loads after it (docs/benchmarks.md, bench/multirank.py). True keeps them, for a
+        # caller that reads the same bytes again soon.
         self.keep_cached = False
 
     @property
