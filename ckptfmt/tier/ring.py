@@ -1,9 +1,10 @@
 """The slots of one run on one node: ``<memory dir>/run-<key>/slot-<k>/``, each a whole ckptfmt checkpoint.
 
 A small ring of slots (two by default) is rewritten in turn, the oldest first, so a snapshot torn by a
-crash never costs the one before it (spec/memory.md). Listing a slot reads its manifest only; the
-bytes are checked when a restore reads them (every chunk's digest) or a persist copies them (every
-file's digest).
+crash never costs the one before it (spec/memory.md). :class:`RingPolicy` decides which slot the next
+snapshot rewrites (MEM-2), purely from what the ring holds; :class:`MemoryTier` finds the slots on disk.
+Listing a slot reads its manifest only; the bytes are checked when a restore reads them (every chunk's
+digest) or a persist copies them (every file's digest).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import stat
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ..errors import CheckpointError, CheckpointNotFoundError, MemoryCapacityError, UnsafePathError, UsageError
 from ..manifest import checkpoint_id
+from ..manifest_io import read_manifest_bytes
 from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
-from ..reader import read_manifest_bytes
 from ..storage.slot import SlotStore
 from .binding import SlotBinding, normalize_run_url, run_dir_key
 
@@ -205,6 +206,127 @@ def _walk_refusal(path: str, given: str) -> UnsafePathError | None:
             )
         current = child
     return None
+
+
+class SlotRef(NamedTuple):
+    """A committed snapshot in this node's ring: its slot index, step and checkpoint id."""
+
+    slot: int
+    step: int
+    checkpoint_id: str
+
+
+class RingPolicy:
+    """Which slot of one node's ring the next snapshot rewrites, and which a durable copy holds (MEM-2).
+
+    Pure bookkeeping, no I/O and no threads: its owner (the coordinator's snapshot writer) locks around it and
+    tells it what happened. ``ring_slots`` is the ring the caller asked for; ``slot_count`` may be one more, the
+    *spare* slot of a ring of two, written only while one slot is held for a durable copy and the other holds the
+    newest snapshot, and only where the memory directory has room for it (``spare=`` of :meth:`pick`).
+
+    Call sequence (rank 0's snapshot thread and persist thread, under the owner's lock)::
+
+        ring = RingPolicy(slot_count=3, ring_slots=2)
+        ring.load({0: 4, 1: 5, 2: None})    # what the slots hold at start (None: empty, torn or foreign)
+        slot = ring.pick(newest=1, spare=True)  # None: no slot may be written, the snapshot is skipped
+        ring.committed(slot, step)          # or ring.failed(slot)
+        ring.hold(slot) ... ring.release(slot)  # a durable copy of slot runs meanwhile
+    """
+
+    def __init__(self, *, slot_count: int, ring_slots: int) -> None:
+        if not 2 <= ring_slots <= slot_count:
+            raise UsageError(f"a ring of {ring_slots} slots cannot live in {slot_count}")
+        self.slot_count = slot_count
+        self.ring_slots = ring_slots
+        self._steps: dict[int, int | None] | None = None
+        self._held: dict[int, int] = {}  # slot -> durable copies reading it (out of the ring meanwhile)
+        self._failing: set[int] = set()  # slots whose last write failed: written last
+
+    @property
+    def loaded(self) -> bool:
+        return self._steps is not None
+
+    def load(self, steps: dict[int, int | None]) -> None:
+        """What each slot holds: the step of a committed snapshot of this run and node, None for any other."""
+        self._steps = {s: steps.get(s) for s in range(self.slot_count)}
+
+    @property
+    def steps(self) -> dict[int, int | None]:
+        """Slot -> committed step (None: empty, torn, foreign or being rewritten); a copy."""
+        return dict(self._known())
+
+    def _known(self) -> dict[int, int | None]:
+        if self._steps is None:
+            raise UsageError("the ring's slots were not loaded")
+        return self._steps
+
+    def step_of(self, slot: int) -> int | None:
+        return self._known().get(slot)
+
+    def is_spare(self, slot: int) -> bool:
+        return slot >= self.ring_slots
+
+    def pick(self, *, newest: int | None, spare: bool) -> int | None:
+        """The slot the next snapshot rewrites, or None when none may be (the snapshot is then skipped).
+
+        Never a held slot, never ``newest`` (the slot of the newest committed snapshot: a crash while it is
+        rewritten would leave only older ones); the spare only when ``spare`` (it fits) and no other will do; of
+        the rest an empty one first, then the oldest; one whose last write failed (a planted symlink, a file it
+        cannot rewrite) only when nothing else will. The slot picked counts as empty until :meth:`committed`."""
+        steps = self._known()
+        usable = {
+            s: step
+            for s, step in steps.items()
+            if not self._held.get(s) and s != newest and (not self.is_spare(s) or spare)
+        }
+        if not usable:
+            return None
+        index = min(
+            usable,
+            key=lambda s: (s in self._failing, self.is_spare(s), usable[s] is not None, usable[s] or 0, s),
+        )
+        steps[index] = None  # being rewritten: no durable copy may start on it now
+        return index
+
+    def committed(self, slot: int, step: int) -> None:
+        self._known()[slot] = step
+        self._failing.discard(slot)
+
+    def failed(self, slot: int) -> None:
+        """The write into ``slot`` failed: it holds nothing, and is written last from now on."""
+        self._failing.add(slot)
+        if self._steps is not None:
+            self._steps[slot] = None
+
+    def succeeded(self, slot: int) -> None:
+        """A write into ``slot`` succeeded (on a rank that keeps no steps): it is no longer written last."""
+        self._failing.discard(slot)
+
+    def hold(self, slot: int) -> None:
+        """A durable copy reads ``slot``: out of the ring until :meth:`release`."""
+        self._held[slot] = self._held.get(slot, 0) + 1
+
+    def release(self, slot: int) -> None:
+        self._held[slot] -= 1
+
+    def is_held(self, slot: int) -> bool:
+        return bool(self._held.get(slot))
+
+    def newest_committed(self) -> tuple[int, int] | None:
+        """(slot, step) of the newest committed snapshot, or None when no slot holds one."""
+        committed = {s: step for s, step in self._known().items() if step is not None}
+        if not committed:
+            return None
+        slot = max(committed, key=lambda s: committed[s] or 0)
+        return slot, committed[slot] or 0
+
+    def drop_after(self, step: int, keep: int | None) -> None:
+        """After a restore of ``step`` (from slot ``keep``, or from elsewhere when None): slots holding a newer step,
+        or the same step in another slot, are not this trajectory's and go back to the ring to be rewritten."""
+        steps = self._known()
+        for index, held in steps.items():
+            if held is not None and (held > step or (held == step and index != keep)):
+                steps[index] = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

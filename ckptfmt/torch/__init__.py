@@ -9,18 +9,27 @@ from __future__ import annotations
 from .api import Restored, capture, load, save, topology
 from .loader import InexactResumeWarning, ResumableDataLoader
 from .manager import CheckpointManager
+from .options import DurableOptions, MemoryOptions, PreemptionOptions, RestoreOptions, RetentionOptions
 from .prewarm import prewarm
 from .restore_report import RestoreReport
 from .sampler import DatasetIdentity, ResumableSampler
+from .training_state import Stateful, TrainingState
 
 __all__ = [
     "CheckpointManager",
     "DatasetIdentity",
+    "DurableOptions",
     "InexactResumeWarning",
+    "MemoryOptions",
+    "PreemptionOptions",
     "Restored",
     "ResumableDataLoader",
     "ResumableSampler",
+    "RestoreOptions",
     "RestoreReport",
+    "RetentionOptions",
+    "Stateful",
+    "TrainingState",
     "capture",
     "load",
     "prewarm",

@@ -1,11 +1,14 @@
 """The trainer's side of the memory tier: a snapshot in node memory every few steps, durable saves made from it.
 
-Call sequence (the manager drives it; every rank makes the same calls)::
+Call sequence (the manager's memory engine drives it; every rank makes the same calls)::
 
     tier = MemorySnapshots(run, memory_dir=..., slots=2, collective=dedicated_group)
-    candidates = tier.candidates()            # at start: this run's committed slots, newest first
-    tier.snapshot(step, persist=..., **state) # on the trainer's thread, every memory_every steps
-    tier.wait()                               # the snapshot in flight committed, persists done
+    candidates = tier.candidates()                # at start: this run's committed slots, newest first
+    tier.check_capacity(per_rank_bytes)           # optional: else before the first snapshot
+    snap = api.capture(..., defer=True)           # on the trainer's thread, every memory_every steps
+    tier.snapshot(snap, optimizer, persist=...)   # written into the next slot in the background
+    tier.wait_snapshot()                          # the snapshot in flight committed (not persisted)
+    tier.wait()                                   # ... and every persist done
     tier.close()
 
 A snapshot captures on the trainer's thread what the next forward pass may change (RNG, data position,
@@ -13,7 +16,8 @@ config, scheduler, buffers); parameters and optimizer state are written by a bac
 from the live tensors (CPU) or from pinned host copies made on a side stream (CUDA) while the next
 forward and backward run, and an optimizer step pre-hook holds the next ``step()`` until those bytes are
 in the slot. The snapshot is a checkpoint written by the ordinary writer, with the ordinary collective
-commit, into the node's slot (:class:`~ckptfmt.storage.slot.SlotStore`); rank 0 picks the slot.
+commit, into the node's slot (:class:`~ckptfmt.storage.slot.SlotStore`); rank 0 picks the slot
+(:class:`~ckptfmt.tier.ring.RingPolicy`).
 
 A durable save is a persist of a committed slot (:func:`ckptfmt.tier.persist`): rank 0 copies the
 node's slot into the run directory in a throttled background thread; the slot is held out of the ring
@@ -41,7 +45,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -57,7 +60,7 @@ from ..errors import (
     UsageError,
 )
 from ..manifest import MAX_MANIFEST_BYTES, FileRecord, checkpoint_id
-from ..reader import read_manifest_bytes
+from ..manifest_io import read_manifest_bytes
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
 from ..storage.slot import SlotStore
@@ -67,8 +70,10 @@ from ..tier.binding import normalize_run_url
 from ..tier.nodes import NodeMap
 from ..tier.persist import Persisted, lower_thread_priority, persist_spread
 from ..tier.replica import Replicator
+from ..tier.ring import RingPolicy, SlotRef
 from ..writer import CheckpointWriter
 from . import state
+from .engines import StepGate
 from .sharding import LocalShard, owners, replicated_sizes
 from .state import HostBuffers, Snapshot
 
@@ -180,8 +185,6 @@ class MemorySnapshots:
         collective: Collective | None,
         persist_duty: float = 0.5,
         codec: str | None = None,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
         on_persisted: Callable[[Persisted], None] | None = None,
         replicate: bool = False,
         channel: PeerChannel | None = None,
@@ -196,6 +199,7 @@ class MemorySnapshots:
         # a slot that is neither held nor the newest.
         self.ring_slots = slots
         self.tier = MemoryTier(memory_dir, run.url, slots=slots + 1 if slots == 2 else slots)
+        self.ring = RingPolicy(slot_count=self.tier.slot_count, ring_slots=slots)  # rank 0's is the one that picks
         self.spare = False  # the memory directory has room for the spare slot (the capacity check, all ranks)
         self.collective = collective
         self.rank = collective.rank if collective is not None else 0
@@ -204,8 +208,6 @@ class MemorySnapshots:
         self.world_size = collective.world_size if collective is not None else 1
         self.persist_duty = persist_duty
         self.codec = codec  # of durable saves; memory snapshots are raw
-        self.keep_last = keep_last
-        self.keep_every = keep_every
         self.on_persisted = on_persisted
         self.nodes = NodeMap.gather(collective, self.node)
         self.channel = channel
@@ -232,17 +234,11 @@ class MemorySnapshots:
         self._inflight: Future[None] | None = None
         self._persists: list[Future[Persisted | None]] = []
         self._waiting: tuple[int, int] | None = None  # (slot, step) of the persist queued behind the running one
-        self._held: dict[int, int] = {}  # slot -> number of persists copying it (out of the ring meanwhile)
         self._lock = threading.Lock()
-        self._slot_steps: dict[int, int | None] | None = None  # rank 0's view of the ring
-        self._copied = threading.Event()
-        self._copied.set()
-        self._gated: Any = None  # the optimizer the step gate is registered on
-        self._gate: Any = None
+        self._gate = StepGate()  # holds optimizer.step() until a snapshot's bytes are in the slot
         self._checked_capacity = False
         self._recheck = False  # a snapshot failed: check the capacity again before the next one
         self.write_durable = write_durable
-        self._failing: set[int] = set()  # slots whose last write failed (rank 0's view)
         self._writing: int | None = None  # the slot of the snapshot being written
         self._refused: CheckpointError | None = None  # why this snapshot's copies are not to be written anywhere
         self.close_timeout = close_timeout
@@ -251,12 +247,11 @@ class MemorySnapshots:
         self._copying: tuple[int, int] | None = None  # (slot, step) that the persister copies now
         self.durable_step: int | None = None  # the newest step made durable by this process
         self.buffers = HostBuffers(pinned=True) if torch.cuda.is_available() else None
-        self.newest: tuple[int, int, str] | None = None  # (slot, step, checkpoint id) of the newest commit
+        self.newest: SlotRef | None = None  # the newest commit
         self.snapshots = 0
         self.skipped = 0  # snapshots not taken: no slot could be written (MEM-2), or their write failed
         self.failed = 0  # of those, the ones whose write failed (every rank counts the same)
         self.capture_seconds = 0.0  # the trainer's thread, in snapshot()
-        self.held_seconds = 0.0  # optimizer.step() waiting for a snapshot's bytes
         self.last_persisted: Persisted | None = None
         self._watcher: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = None
@@ -388,14 +383,11 @@ class MemorySnapshots:
             # that snapshot whole, so none is adopted or persisted; every slot holding a newer step is dropped
             slot = None
         if candidate is not None and slot is not None:
-            self.newest = (slot, candidate.step, candidate.checkpoint_id)
+            self.newest = SlotRef(slot, candidate.step, candidate.checkpoint_id)
         if self.rank != 0:
             return
         with self._lock:
-            ring = self._ring()
-            for index, held in ring.items():
-                if held is not None and (held > step or (held == step and index != slot)):
-                    ring[index] = None
+            self._ring().drop_after(step, slot)
         if slot is None or candidate is None:
             return
         durable = self._durable_id(candidate.step)
@@ -440,34 +432,23 @@ class MemorySnapshots:
                     self._durable_instead(_step_of(snap), snap)
                 self.capture_seconds += time.perf_counter() - started
                 return
-        self._gate_optimizer(optimizer)
+        self._gate.close_on(optimizer)
         if self.buffers is not None and torch.cuda.is_available():
             self.buffers.source_stream = torch.cuda.current_stream()
-        self._copied.clear()
         self._inflight = self._writer.submit(self._write, snap, persist)
         self.snapshots += 1
         self.capture_seconds += time.perf_counter() - started
 
-    def _gate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._gated is optimizer:
-            return
-        if self._gate is not None:
-            self._gate.remove()
+    @property
+    def held_seconds(self) -> float:
+        """Total time optimizer.step() waited for a snapshot's bytes."""
+        return self._gate.held_seconds
 
-        def hold_step(opt: Any, args: Any, kwargs: Any) -> None:
-            if not self._copied.is_set():
-                start = time.perf_counter()
-                self._copied.wait()
-                self.held_seconds += time.perf_counter() - start
-
-        self._gate = optimizer.register_step_pre_hook(hold_step)
-        self._gated = optimizer
-
-    def _ring(self) -> dict[int, int | None]:
-        """Rank 0's view of the ring: slot -> committed step (None: empty, torn or being rewritten). Under _lock."""
-        if self._slot_steps is None:
-            self._slot_steps = {s.index: self._own_step(s) for s in self.tier.slots()}
-        return self._slot_steps
+    def _ring(self) -> RingPolicy:
+        """Rank 0's ring, loaded from the slots on first use (under _lock)."""
+        if not self.ring.loaded:
+            self.ring.load({s.index: self._own_step(s) for s in self.tier.slots()})
+        return self.ring
 
     def _own_step(self, slot: Slot) -> int | None:
         """The step of a committed slot of this run and node; None for any other (free to rewrite)."""
@@ -483,26 +464,10 @@ class MemorySnapshots:
         return why
 
     def _pick_slot(self) -> int:
-        """Rank 0: the slot the next snapshot goes to, or -1 when none may be written (MEM-2). Never a slot held for
-        a durable copy, never the one holding the newest committed snapshot (a crash while it is rewritten would
-        leave only older ones); of the others the oldest, an empty one first, the spare only when no other will do,
-        one whose last write failed (a planted symlink, a file it cannot rewrite) only when nothing else will."""
+        """Rank 0: the slot the next snapshot goes to, or -1 when none may be written (MEM-2, :class:`RingPolicy`)."""
         with self._lock:
-            ring = self._ring()
-            newest = self.newest[0] if self.newest is not None else None
-            usable = {
-                s: step
-                for s, step in ring.items()
-                if not self._held.get(s) and s != newest and (s < self.ring_slots or self.spare)
-            }
-            if not usable:
-                return -1
-            index = min(
-                usable,
-                key=lambda s: (s in self._failing, s >= self.ring_slots, usable[s] is not None, usable[s] or 0, s),
-            )
-            ring[index] = None  # being rewritten: no persist may start on it now
-            return index
+            index = self._ring().pick(newest=self.newest.slot if self.newest is not None else None, spare=self.spare)
+        return -1 if index is None else index
 
     def _choose_slot(self, step: int) -> int:
         """Every rank: the slot rank 0 picked for the snapshot of ``step`` (-1: none may be written)."""
@@ -535,7 +500,7 @@ class MemorySnapshots:
                 if not isinstance(exc, CheckpointError | OSError):
                     log.error("memory snapshot of step %d: unexpected failure", step, exc_info=exc)
                 if self._writing is not None:
-                    self._failing.add(self._writing)
+                    self.ring.failed(self._writing)
                 self._not_taken(step, f"{type(exc).__name__}: {exc}", failed=True)
             if committed is None and persist:
                 snap.contexts.clear()
@@ -544,7 +509,7 @@ class MemorySnapshots:
                     snap.sources[:] = sources
                 self._durable_instead(step, snap)
         finally:
-            self._copied.set()  # even on failure: never leave the trainer's optimizer blocked
+            self._gate.open()  # even on failure: never leave the trainer's optimizer blocked
         if committed is None:
             return
         slot, local = committed
@@ -611,14 +576,14 @@ class MemorySnapshots:
             raise
         local = self._write_local_replicas(snap)
         if release:
-            self._copied.set()
+            self._gate.open()
         ckpt_id = writer.commit()
         self._files = [f.path for f in writer.result().files]
-        self.newest = (slot, step, ckpt_id)
-        self._failing.discard(slot)
+        self.newest = SlotRef(slot, step, ckpt_id)
+        self.ring.succeeded(slot)
         if self.rank == 0:
             with self._lock:
-                self._ring()[slot] = step
+                self._ring().committed(slot, step)
         return slot, local
 
     def _not_taken(self, step: int, why: str, *, failed: bool) -> None:
@@ -628,7 +593,7 @@ class MemorySnapshots:
         if failed:
             self.failed += 1
             self._recheck = True
-        held = f"step {self.newest[1]}" if self.newest is not None else "none"
+        held = f"step {self.newest.step}" if self.newest is not None else "none"
         log.warning(
             "memory snapshot of step %d skipped: %s; the newest snapshot in memory is %s, and training goes on",
             step,
@@ -731,7 +696,7 @@ class MemorySnapshots:
         thread: the ranks' copies must line up, so they are not coalesced as one node's are)."""
         assert self.collective is not None
         with self._lock:
-            self._held[slot] = self._held.get(slot, 0) + 1
+            self.ring.hold(slot)
         try:
             done = persist_spread(
                 self.tier.slot_path(slot),
@@ -742,7 +707,7 @@ class MemorySnapshots:
             )
         finally:
             with self._lock:
-                self._held[slot] -= 1
+                self.ring.release(slot)
         self.last_persisted = done
         self.durable_step = max(self.durable_step or -1, done.step)
         if self.rank == 0 and self.on_persisted is not None:
@@ -758,7 +723,7 @@ class MemorySnapshots:
         stalls the trainer, never skips a memory snapshot, and never persists an older step after a newer.
         """
         with self._lock:
-            step = self._ring().get(slot)
+            step = self._ring().step_of(slot)
             if self._waiting is not None:
                 log.warning("durable save of step %s dropped: step %s is due before it started", self._waiting[1], step)
             self._waiting = (slot, step if step is not None else -1)
@@ -780,21 +745,20 @@ class MemorySnapshots:
                 return None
             slot, step = waiting
             ring = self._ring()
-            if ring.get(slot) != step:  # rewritten since: the newest committed snapshot instead
-                committed = {s: st for s, st in ring.items() if st is not None}
-                if not committed:
+            if ring.step_of(slot) != step:  # rewritten since: the newest committed snapshot instead
+                newest = ring.newest_committed()
+                if newest is None:
                     return None
-                slot = max(committed, key=lambda s: committed[s] or 0)
                 log.warning(
                     "the durable save due at step %d wrote step %s instead, the newest snapshot still whole in memory: "
                     "step %d's memory slot was reused for a newer snapshot while an earlier durable save was still "
                     "being written",
                     step,
-                    committed[slot],
+                    newest[1],
                     step,
                 )
-                step = committed[slot] or 0
-            self._held[slot] = self._held.get(slot, 0) + 1
+                slot, step = newest
+            ring.hold(slot)
         return self._persist_held(slot, step, self.persist_duty)
 
     def _persist_held(self, slot: int, step: int, duty: float) -> Persisted | None:
@@ -820,7 +784,7 @@ class MemorySnapshots:
         finally:
             self._copying = None
             with self._lock:
-                self._held[slot] -= 1
+                self.ring.release(slot)
         if done.status == "conflict":
             log.warning(
                 "%s holds another checkpoint of step %d: the memory snapshot was not persisted there",
@@ -870,12 +834,11 @@ class MemorySnapshots:
         if self.rank != 0 or self.nodes.multi_node:
             return None
         with self._lock:
-            committed = {s: step for s, step in self._ring().items() if step is not None}
-            if not committed:
+            newest = self._ring().newest_committed()
+            if newest is None:
                 return None
-            slot = max(committed, key=lambda s: committed[s] or 0)
-            self._held[slot] = self._held.get(slot, 0) + 1
-        return self._persist_held(slot, committed[slot] or 0, 1.0)
+            self.ring.hold(newest[0])
+        return self._persist_held(newest[0], newest[1], 1.0)
 
     def close(self, *, persist: bool = True) -> None:
         """Wait for the work in flight; with ``persist``, make the newest snapshot durable if it is not yet
@@ -891,9 +854,9 @@ class MemorySnapshots:
             self._announce_wait()
             self.wait()
             newest, durable = self.newest, self.durable_step
-            if persist and newest is not None and (durable is None or durable < newest[1]):
+            if persist and newest is not None and (durable is None or durable < newest.step):
                 if self.nodes.multi_node:  # every rank copies its own files, together
-                    self._writer.submit(self._persist_spread, newest[0]).result()
+                    self._writer.submit(self._persist_spread, newest.slot).result()
                 else:
                     self.persist_newest()
         finally:
@@ -901,9 +864,7 @@ class MemorySnapshots:
                 self.replicator.close()
             self._writer.shutdown()
             self._persister.shutdown()
-            if self._gate is not None:
-                self._gate.remove()
-                self._gate = None
+            self._gate.remove()
             self.stop_watcher()
 
     def _announce_wait(self) -> None:
