@@ -1,8 +1,10 @@
 """Planning: what to write and what to read, with no I/O (the planner of the plan / execute / commit split).
 
 Write side, per rank: :class:`RankPlanner` turns the caller's ``write_tensor`` calls into
-:class:`FilePlan` records (which chunks go into which data file, in which order), checking names,
-shapes and chunk bounds as they arrive. After the executor has written the files, each rank holds a
+:class:`FilePlan` records (which chunks go into which data file, in which order, with which codec), checking
+names, shapes and chunk bounds as they arrive. It cuts an array to encode into chunks of at most
+``ENCODED_FILE_BYTES`` and asks the base's index which chunks are stored there already (a reference, not a
+write); it never reads array bytes itself. After the executor has written the files, each rank holds a
 :class:`RankResult` (its file and chunk records); :func:`merge_results` is the global step that
 joins every rank's results, checks that the chunks tile each tensor exactly and builds the manifest.
 
@@ -14,6 +16,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
 
 from . import chunks as geometry
 from . import layout
@@ -37,8 +42,17 @@ from .profiles import PROFILES
 from .references import BaseRecord, check_location
 
 Shape = tuple[int, ...]
+Array = np.ndarray[Any, Any]
 RAW_WRITE = WriteCodec()
 ENCODED_FILE_BYTES = 64 << 20  # raw bytes per encoded data file: bounds the memory of one encode
+
+
+class ReferenceMatcher(Protocol):
+    """The chunks of a base checkpoint (``incremental.BaseIndex``): which chunk is stored there already."""
+
+    def match(
+        self, field_name: str, name: str, dtype: str, global_shape: Shape, offsets: Shape, data: Array
+    ) -> tuple[ChunkRecord, BaseRecord] | None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +86,15 @@ class FilePlan:
     @property
     def encoded(self) -> bool:
         return any(e.encoded for e in self.entries)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """A chunk to write: the files that became full before it (write them first), its entry, its data (a view)."""
+
+    full: tuple[FilePlan, ...]
+    entry: EntryPlan
+    data: Array
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,16 +186,27 @@ class _TensorDecl:
 class RankPlanner:
     """One rank's write plan, built call by call. Pure: it never sees array data, only its geometry.
 
-    Call sequence: :meth:`add` for each tensor or chunk (it returns the plans of files that became
-    full), :meth:`declare_field` for an empty tensor field, then :meth:`finish` for the rest.
+    Call sequence: :meth:`add_array` (or, geometry only, :meth:`add`) for each tensor or chunk (it returns
+    the plans of files that became full), :meth:`declare_field` for an empty tensor field, then :meth:`finish`
+    for the rest. With ``base``, :attr:`references` holds the chunks referenced there instead of written.
     """
 
-    def __init__(self, *, rank: int = 0, target_file_size: int, codec: WriteCodec | str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        target_file_size: int,
+        codec: WriteCodec | str | None = None,
+        base: ReferenceMatcher | None = None,
+    ) -> None:
         if target_file_size <= 0 or rank < 0:
             raise UsageError("target_file_size must be positive and rank non-negative")
         self.rank = rank
         self.target_file_size = target_file_size
         self.codec = WriteCodec.parse(codec)
+        self.base = base
+        self.references: list[PlacedChunk] = []
+        self._split: set[tuple[str, str]] = set()  # tensors cut into chunks for encoding
         self.tensors: dict[str, dict[str, _TensorDecl]] = {}
         # Open files by (field, encoded): encoded and raw chunks never share a data file (COD-2).
         self._pending: dict[tuple[str, bool], list[EntryPlan]] = {}
@@ -182,6 +216,51 @@ class RankPlanner:
     def declare_field(self, field_name: str) -> None:
         check_field_name(field_name)
         self.tensors.setdefault(field_name, {})
+
+    def add_array(
+        self,
+        field_name: str,
+        name: str,
+        data: Array,
+        dtype: str,
+        *,
+        global_shape: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> list[Placement]:
+        """Plan one array (C-contiguous, little-endian): a tensor, or one chunk of a sharded tensor
+        (``global_shape`` and ``offsets`` given). Returns, in order, the chunks to write; a chunk the base holds
+        is added to :attr:`references` instead."""
+        if (field_name, name) in self._split:
+            raise UsageError("tensor was already written", field=field_name, tensor=name)
+        at = tuple(int(o) for o in offsets) if offsets is not None else (0,) * data.ndim
+        whole = self.entry_codec(dtype, data.nbytes).name == RAW or data.nbytes <= ENCODED_FILE_BYTES
+        pieces = [(data, at)] if whole else cut(data, at, ENCODED_FILE_BYTES)
+        if len(pieces) > 1:
+            self._split.add((field_name, name))
+            global_shape = data.shape if global_shape is None else global_shape
+        out: list[Placement] = []
+        for piece, piece_offsets in pieces:
+            gshape, offs = self.declare(
+                field_name,
+                name,
+                dtype=dtype,
+                shape=piece.shape,
+                global_shape=global_shape,
+                offsets=offsets if len(pieces) == 1 else piece_offsets,
+            )
+            found = None if self.base is None else self.base.match(field_name, name, dtype, gshape, offs, piece)
+            if found is not None:
+                self.references.append(
+                    PlacedChunk(field=field_name, tensor=name, dtype=dtype, global_shape=gshape, chunk=found[0])
+                )
+                continue
+            entry, full = self.place(field_name, name, dtype, piece.shape, gshape, offs, piece.nbytes)
+            out.append(Placement(full=tuple(full), entry=entry, data=piece))
+        return out
+
+    def entry_codec(self, dtype: str, nbytes: int) -> WriteCodec:
+        """The codec a chunk of ``nbytes`` of ``dtype`` is written with (the one place it is chosen)."""
+        return writer_codec(self.codec, dtype=dtype, nbytes=nbytes)
 
     def add(
         self,
@@ -269,7 +348,7 @@ class RankPlanner:
             offsets=offs,
             global_shape=gshape,
             nbytes=nbytes,
-            codec=writer_codec(self.codec, dtype=dtype, nbytes=nbytes),
+            codec=self.entry_codec(dtype, nbytes),
         )
         slot = (field_name, entry.encoded)
         # An encoded file is built in memory before it is written (its header needs the stored sizes).
@@ -296,6 +375,23 @@ class RankPlanner:
         seq = self._seq.get(field_name, 0)
         self._seq[field_name] = seq + 1
         return FilePlan(field=field_name, path=layout.data_path(field_name, self.rank, seq), entries=entries)
+
+
+def cut(data: Array, base: Shape, limit: int) -> list[tuple[Array, Shape]]:
+    """Blocks of at most ``limit`` bytes along the first dimension longer than 1 (contiguous views, since
+    every earlier dimension is 1), cutting a single slice further when it alone exceeds ``limit``: an array
+    to encode is cut so, so that the memory of one encode stays bounded at any tensor size."""
+    axis = next((d for d, n in enumerate(data.shape) if n > 1), None)
+    if data.nbytes <= limit or axis is None:
+        return [(data, base)]
+    row = data.nbytes // data.shape[axis]
+    step = max(1, limit // max(1, row))
+    out: list[tuple[Array, Shape]] = []
+    for lo in range(0, data.shape[axis], step):
+        index = tuple(slice(lo, lo + step) if d == axis else slice(None) for d in range(data.ndim))
+        at = tuple(o + (lo if d == axis else 0) for d, o in enumerate(base))
+        out.extend(cut(data[index], at, limit) if row > limit else [(data[index], at)])
+    return out
 
 
 def merge_results(

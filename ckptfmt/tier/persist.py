@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..collective import Collective
+from ..collective_commit import CollectiveCommit
 from ..commit import Committer
 from ..decide import decide
 from ..digests import algorithm_of, format_digest, new_hasher
@@ -38,9 +39,9 @@ from ..errors import (
     UsageError,
 )
 from ..manifest import Manifest, checkpoint_id
+from ..manifest_io import read_manifest_bytes
 from ..manifest_parse import parse_manifest
 from ..paths import MANIFEST_NAME, MAX_PATH_BYTES
-from ..reader import read_manifest_bytes
 from ..run import RunDirectory, checkpoint_name
 from ..storage import Store, open_store
 from .binding import SlotBinding
@@ -296,20 +297,22 @@ def persist_spread(
 
     Each rank copies the files it wrote from its node's slot at ``source`` (each file's size and digest checked,
     as :func:`persist` does); the coordinator, which holds the destination's lock meanwhile, checks that every file
-    the manifest lists arrived at its size and writes the snapshot's manifest last. The checkpoint id is the
-    snapshot's, which every rank's slot must hold. Every rank returns the same outcome or raises the same error
-    (:func:`~ckptfmt.decide.decide`: a rank that fails, or reports something malformed, is named at once).
+    the manifest lists arrived at its size and writes the snapshot's manifest last
+    (:class:`~ckptfmt.collective_commit.CollectiveCommit`). The checkpoint id is the snapshot's, which every rank's
+    slot must hold. Every rank returns the same outcome or raises the same error (:func:`~ckptfmt.decide.decide`:
+    a rank that fails, or reports something malformed, is named at once).
     """
     throttle = throttle or Throttle()
     started = time.perf_counter()
     what = f"the persist of {os.fspath(source)}"
-    committer: Committer | None = None
+    commit: CollectiveCommit | None = None
     mine: object
     try:
         src, manifest, ckpt_id, step, name = _source(source, None, run)
         what = f"the persist of step {step}"
         dst = open_store(run.child_url(name), run.storage_options)
         status: PersistStatus | None = None
+        committer: Committer | None = None
         if collective.rank == 0:
             try:
                 existing = _existing_id(dst)
@@ -320,6 +323,16 @@ def persist_spread(
             except CheckpointExistsError:
                 existing = _existing_id(dst)
                 status = "already durable" if existing == ckpt_id else "conflict"
+        # a list of paths: at most as many as the manifest lists, each at most 1 KiB plus its quotes and comma
+        commit = CollectiveCommit(
+            dst,
+            collective,
+            committer,
+            plan=lambda reports, _: (manifest, _copied(reports, dst, manifest, what)),
+            what=what,
+            max_size=MAX_STATUS_BYTES + len(manifest.files) * (MAX_PATH_BYTES + 3),
+            after=lambda: _advance_latest(run, name, step, ckpt_id),
+        )
         mine = {"checkpoint_id": ckpt_id, "status": status}
     except CheckpointError as exc:
         mine = exc
@@ -336,12 +349,12 @@ def persist_spread(
             seconds=time.perf_counter() - started,
         )
 
-    committed = False
+    everything = [f.path for f in manifest.files] if commit is not None else []
     try:
         found = decide(collective, mine, lambda v: _agreed_status(v, what), what=what, max_size=MAX_STATUS_BYTES)
         if found == "already durable" or found == "conflict":
             return outcome(found)
-        if found is not None:
+        if found is not None or commit is None:
             raise MalformedMessageError(f"{what}: rank 0 broadcast a malformed status")
         records = {f.path: f for f in manifest.files}
         written: list[str] = []
@@ -356,34 +369,26 @@ def persist_spread(
             copied = written
         except CheckpointError as exc:
             copied = exc
-
-        def commit(reports: Sequence[Any]) -> bool:
-            """Rank 0: every rank's copied files, then the manifest (an error here is every rank's)."""
-            nonlocal committed
-            assert committer is not None
-            every: list[str] = []
-            for rank, report in enumerate(reports):
-                if not isinstance(report, list) or not all(isinstance(p, str) for p in report):
-                    raise MalformedMessageError(f"{what}: rank {rank} sent a malformed list of the files it copied")
-                every += report
-            present = dst.list()
-            lacking = [f.path for f in manifest.files if present.get(f.path) != f.size]
-            if lacking:
-                raise MissingFileError(
-                    f"{what}: {len(lacking)} file(s) of the snapshot were not copied", path=lacking[0]
-                )
-            committer.commit(manifest, every)
-            committed = True
-            _advance_latest(run, name, step, ckpt_id)
-            return True
-
-        # a list of paths: at most as many as the manifest lists, each at most 1 KiB plus its quotes and comma
-        bound = MAX_STATUS_BYTES + len(manifest.files) * (MAX_PATH_BYTES + 3)
-        decide(collective, copied, commit, what=what, max_size=bound)
+        # what every rank may have copied is the coordinator's to delete if the persist fails: none counts
+        commit.commit(copied, written=everything)
     finally:
-        if committer is not None and not committed:
-            committer.abort([f.path for f in manifest.files])  # what every rank may have copied: none counts
+        if commit is not None:
+            commit.release(everything)  # the lock and every copy, unless committed (a failed first round)
     return outcome("persisted", sum(f.size for f in manifest.files))
+
+
+def _copied(reports: Sequence[Any], dst: Store, manifest: Manifest, what: str) -> list[str]:
+    """Rank 0: every rank's list of the files it copied, once every file of the snapshot is there at its size."""
+    every: list[str] = []
+    for rank, report in enumerate(reports):
+        if not isinstance(report, list) or not all(isinstance(p, str) for p in report):
+            raise MalformedMessageError(f"{what}: rank {rank} sent a malformed list of the files it copied")
+        every += report
+    present = dst.list()
+    lacking = [f.path for f in manifest.files if present.get(f.path) != f.size]
+    if lacking:
+        raise MissingFileError(f"{what}: {len(lacking)} file(s) of the snapshot were not copied", path=lacking[0])
+    return every
 
 
 def _agreed_status(values: Sequence[Any], what: str) -> str | None:
