@@ -17,12 +17,13 @@ from the live tensors (CPU) or from pinned host copies made on a side stream (CU
 forward and backward run, and an optimizer step pre-hook holds the next ``step()`` until those bytes are
 in the slot. The snapshot is a checkpoint written by the ordinary writer, with the ordinary collective
 commit, into the node's slot (:class:`~ckptfmt.storage.slot.SlotStore`); rank 0 picks the slot
-(:class:`~ckptfmt.tier.ring.RingPolicy`).
+(:class:`~ckptfmt.tier.ring.RingPolicy`); a replica round follows (:mod:`.replica_rounds`).
 
 A durable save is a persist of a committed slot (:func:`ckptfmt.tier.persist`): rank 0 copies the
 node's slot into the run directory in a throttled background thread; the slot is held out of the ring
-until the copy is done. On SIGTERM the newest committed slot is persisted at once by a watcher thread
-(it runs even while the trainer's thread is blocked in a collective with a dead peer).
+until the copy is done (:mod:`.persist_queue`). On SIGTERM the newest committed slot is persisted at once by a
+watcher thread (:mod:`.signal_watcher`; it runs even while the trainer's thread is blocked in a collective with a
+dead peer).
 
 The slot holding the newest committed snapshot is never rewritten (spec/memory.md MEM-2): a two-slot ring
 has a third, spare slot, written only while a slot is held for a durable copy and the other holds the newest
@@ -32,113 +33,60 @@ A snapshot that cannot be taken (no room in the memory directory, a failed write
 its copy) is skipped on every rank together, with a warning: the older slots still hold, the capacity is
 checked again before the next one, and training goes on. A durable save that falls due at such a step is
 written from the live state straight to the run directory (the caller's ``write_durable``).
+
+What lives where: this class is the façade the manager, the restorer and the tests use; the capacity check is
+:func:`ckptfmt.tier.capacity.agree_capacity`, the restore side (whose slots, candidates, the agreed restore) is
+:class:`ckptfmt.tier.candidates.RunSlots`, the durable copies are :class:`.persist_queue.PersistQueue`, replica
+rounds :class:`.replica_rounds.ReplicaRounds`, the SIGTERM thread :class:`.signal_watcher.SignalWatcher`.
+
+Threads and locking: the trainer's thread calls the public methods; one snapshot writer thread (``_writer``) writes
+slots, starts replica rounds and runs spread persists; the persist queue's one thread copies one node's slots; the
+SIGTERM watcher and the replicator have threads of their own. ``_lock`` is the one lock: it guards rank 0's ring
+(:class:`~ckptfmt.tier.ring.RingPolicy`, load, pick, commit, hold, release, drop) and the persist queued behind the
+running one; the persist queue shares it (it is handed over at construction). Everything else the writer thread
+sets (``newest``, ``_files``, counters) is read by the trainer's thread only after ``wait_snapshot``; the step gate
+(:class:`~.engines.StepGate`) holds ``optimizer.step()`` until a snapshot's bytes are in its slot.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from ..collective import Collective, PeerChannel
 from ..decide import decide
-from ..errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CollectiveError,
-    MalformedMessageError,
-    MemoryCapacityError,
-    StorageError,
-    UsageError,
-)
-from ..manifest import MAX_MANIFEST_BYTES, FileRecord, checkpoint_id
-from ..manifest_io import read_manifest_bytes
+from ..errors import CheckpointError, MalformedMessageError, UsageError
+from ..manifest import FileRecord
 from ..run import RunDirectory, checkpoint_name
-from ..storage import open_store
 from ..storage.slot import SlotStore
-from ..tier import MemoryTier, Slot, SlotBinding, Throttle, node_key, persist, run_identity
+from ..tier import MemoryTier, SlotBinding, node_key, persist, run_identity
 from ..tier.agreed import AgreedRestore
 from ..tier.binding import normalize_run_url
+from ..tier.candidates import MemoryCandidate, RunSlots
+from ..tier.capacity import agree_capacity
 from ..tier.nodes import NodeMap
-from ..tier.persist import Persisted, lower_thread_priority, persist_spread
+from ..tier.persist import Persisted
 from ..tier.replica import Replicator
 from ..tier.ring import RingPolicy, SlotRef
+from ..tier.votes import as_error, is_int
 from ..writer import CheckpointWriter
 from . import state
 from .engines import StepGate
-from .sharding import LocalShard, owners, replicated_sizes
+from .persist_queue import PersistQueue
+from .replica_rounds import ReplicaRounds
+from .signal_watcher import SignalWatcher
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
 
-CHECKPOINT_ID = re.compile(r"sha256:[0-9a-f]{64}")
-MAX_STATE_BYTES = 1 << 62  # what a rank may say its snapshot holds (a larger count is a malformed message)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryCandidate:
-    """A committed slot this run may restore from."""
-
-    step: int
-    url: str
-    checkpoint_id: str
-    slot: int  # its index in this node's ring (url is that slot's path here)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _byte_counts(values: object, *, expected: int | None = None) -> list[int]:
-    """Every rank's snapshot bytes, checked: one non-negative count per rank (the first malformed one named)."""
-    if not isinstance(values, list) or (expected is not None and len(values) != expected):
-        raise MalformedMessageError("the snapshot sizes are not one count per rank")
-    for rank, value in enumerate(values):
-        if not _is_int(value) or not 0 <= value <= MAX_STATE_BYTES:
-            raise MalformedMessageError(f"rank {rank} reported {str(value)[:40]} snapshot bytes, not a count")
-    return values
-
-
-def _spare_fits(values: Sequence[object]) -> bool:
-    """The node leaders' capacity verdicts (the others send None): whether every node has room for a spare slot."""
-    fits = True
-    for rank, value in enumerate(values):
-        if value is None:
-            continue
-        if not (isinstance(value, dict) and set(value) == {"spare"} and isinstance(value["spare"], bool)):
-            raise MalformedMessageError(f"rank {rank} sent a malformed memory capacity verdict")
-        fits = fits and value["spare"]
-    return fits
-
-
-def _one_bool(what: str, combine: Callable[[list[bool]], bool]) -> Callable[[Sequence[object]], bool]:
-    """A decision over one boolean from every rank (a rank that sends anything else is named)."""
-
-    def decide_fn(values: Sequence[object]) -> bool:
-        for rank, value in enumerate(values):
-            if not isinstance(value, bool):
-                raise MalformedMessageError(f"rank {rank} sent {str(value)[:40]} as {what}, not a boolean")
-        return combine([bool(v) for v in values])
-
-    return decide_fn
-
-
-def _as_error(exc: BaseException, rank: int) -> CheckpointError:
-    """What a rank contributes to a decision when its part failed: a CheckpointError (an OSError, a bug's raw
-    error wrapped, naming the rank)."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    if isinstance(exc, OSError):
-        return StorageError(f"rank {rank}: {exc}")
-    return CollectiveError(f"rank {rank} failed: {exc!r}")
+__all__ = ["MemoryCandidate", "MemorySnapshots", "state_bytes"]
 
 
 def _step_of(snap: Snapshot) -> int:
@@ -154,28 +102,9 @@ def state_bytes(snap: Snapshot) -> int:
     return total
 
 
-class _Abandoned(Exception):
-    """Raised inside a persist's copy loop when close() stops waiting for it (its close_timeout ran out); the
-    persist aborts (no manifest, its files and lock removed) and :meth:`MemorySnapshots._persist_held` says so."""
-
-
-class _CopyThrottle(Throttle):
-    """A persist's throttle that close() lifts (nothing trains beside the copy any more) and cuts off once its
-    ``close_timeout`` ran out (checked after each piece of the copy)."""
-
-    def __init__(self, duty: float, tier: MemorySnapshots) -> None:
-        super().__init__(duty)
-        self._tier = tier
-
-    def after(self, seconds: float) -> None:
-        deadline = self._tier._deadline
-        if deadline is not None and time.monotonic() >= deadline:
-            raise _Abandoned
-        if not self._tier._closing:
-            super().after(seconds)
-
-
 class MemorySnapshots:
+    """The memory tier of one rank: snapshots into the node's slots, their replicas, their durable copies."""
+
     def __init__(
         self,
         run: RunDirectory,
@@ -206,9 +135,6 @@ class MemorySnapshots:
         self.node = node_key()
         self.run_id = run_identity(run.url)
         self.world_size = collective.world_size if collective is not None else 1
-        self.persist_duty = persist_duty
-        self.codec = codec  # of durable saves; memory snapshots are raw
-        self.on_persisted = on_persisted
         self.nodes = NodeMap.gather(collective, self.node)
         self.channel = channel
         self.tier.ensure()
@@ -227,150 +153,109 @@ class MemorySnapshots:
             if channel is None:
                 raise UsageError("replicate=True needs a channel between ranks (torch.distributed)")
             self.replicator = Replicator(self.tier, channel, self.nodes, self.rank)
-        self._replica_rounds = 0
+        self._rounds = (
+            ReplicaRounds(self.replicator, collective, self.tier, self.world_size)
+            if self.replicator is not None
+            else None
+        )
+        self.run_slots = RunSlots(
+            self.tier,
+            run,
+            collective=collective,
+            channel=channel,
+            nodes=self.nodes,
+            node=self.node,
+            run_id=self.run_id,
+            rank=self.rank,
+        )
         self._files: list[str] = []  # the files this rank wrote into the newest snapshot
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-memory")
-        self._persister = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-persist")
         self._inflight: Future[None] | None = None
-        self._persists: list[Future[Persisted | None]] = []
-        self._waiting: tuple[int, int] | None = None  # (slot, step) of the persist queued behind the running one
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # rank 0's ring, and the persist queued (shared with the persist queue)
         self._gate = StepGate()  # holds optimizer.step() until a snapshot's bytes are in the slot
         self._checked_capacity = False
         self._recheck = False  # a snapshot failed: check the capacity again before the next one
         self.write_durable = write_durable
         self._writing: int | None = None  # the slot of the snapshot being written
         self._refused: CheckpointError | None = None  # why this snapshot's copies are not to be written anywhere
-        self.close_timeout = close_timeout
-        self._closing = False  # close() runs: nothing trains beside a copy any more, so it is not throttled
-        self._deadline: float | None = None  # time.monotonic() after which close() abandons a copy
-        self._copying: tuple[int, int] | None = None  # (slot, step) that the persister copies now
-        self.durable_step: int | None = None  # the newest step made durable by this process
         self.buffers = HostBuffers(pinned=True) if torch.cuda.is_available() else None
         self.newest: SlotRef | None = None  # the newest commit
         self.snapshots = 0
         self.skipped = 0  # snapshots not taken: no slot could be written (MEM-2), or their write failed
         self.failed = 0  # of those, the ones whose write failed (every rank counts the same)
         self.capture_seconds = 0.0  # the trainer's thread, in snapshot()
-        self.last_persisted: Persisted | None = None
-        self._watcher: threading.Thread | None = None
-        self._wakeup: tuple[int, int] | None = None
+        # ``persist`` looked up here, at construction: what copies a slot into the run directory
+        self.persist_queue = PersistQueue(
+            self.tier,
+            run,
+            lock=self._lock,
+            ring=self.ring,
+            loaded_ring=self._ring,
+            copy=persist,
+            collective=collective,
+            rank=self.rank,
+            persist_duty=persist_duty,
+            codec=codec,
+            on_persisted=on_persisted,
+            close_timeout=close_timeout,
+        )
+        self._watcher = SignalWatcher(self.persist_newest)
+
+    # ---------------------------------------------------------------- what the persist queue knows
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step made durable by this process."""
+        return self.persist_queue.durable_step
+
+    @property
+    def last_persisted(self) -> Persisted | None:
+        return self.persist_queue.last_persisted
+
+    @property
+    def close_timeout(self) -> float | None:
+        return self.persist_queue.close_timeout
+
+    @property
+    def codec(self) -> str | None:
+        """The codec of durable saves (memory snapshots are raw)."""
+        return self.persist_queue.codec
+
+    @property
+    def _persists(self) -> list[Future[Persisted | None]]:
+        """The durable copies submitted and not yet looked at."""
+        return self.persist_queue.futures
 
     # ---------------------------------------------------------------- set-up
 
     def check_capacity(self, per_rank: int) -> None:
         """Refuse slots that would not fit the memory directory (all ranks raise the same error); find whether the
-        spare slot fits too (``self.spare``, the same on every rank).
-
-        Two decisions of every rank (:func:`~ckptfmt.decide.decide`): the ranks' snapshot sizes, then every node
-        leader's look at its own memory directory for its ranks' share (and, with replicas, one more share: its
-        partners' copies)."""
-        decided = decide(
-            self.collective, per_rank, lambda values: _byte_counts(list(values)), what="the snapshot sizes", max_size=64
+        spare slot fits too (``self.spare``, the same on every rank): :func:`~ckptfmt.tier.capacity.agree_capacity`."""
+        self.spare = agree_capacity(
+            self.collective,
+            per_rank,
+            tier=self.tier,
+            ring_slots=self.ring_slots,
+            run_url=self.run.url,
+            nodes=self.nodes,
+            node=self.node,
+            rank=self.rank,
+            world_size=self.world_size,
+            replicas=self.replicator is not None,
         )
-        totals = _byte_counts(decided, expected=self.world_size)
-        verdict: dict[str, bool] | CheckpointError | None = None
-        if self.nodes.leader(self.node) == self.rank:
-            mine = sum(totals[r] for r in self.nodes.ranks_of(self.node))
-            sources: set[int] = set()  # whose copies this node's ranks receive (rewritten in place by the rounds)
-            if self.replicator is not None:
-                mine *= 2
-                sources = {s for r in self.nodes.ranks_of(self.node) for s in self.nodes.sources_of(r)}
-            try:
-                verdict = {"spare": self._room(mine, sources)}
-            except CheckpointError as exc:
-                verdict = exc
-        spare = decide(self.collective, verdict, _spare_fits, what="the memory capacity check", max_size=64 << 10)
-        if not isinstance(spare, bool):
-            raise MalformedMessageError(f"the memory capacity check decided {spare!r}, not a boolean")
-        if self.tier.slot_count > self.ring_slots and not spare and self.rank == 0:
-            log.warning(
-                "%s has room for %d memory slots but not for a spare one: a snapshot that falls due while a slot "
-                "is being persisted and the other holds the newest snapshot is skipped (spec/memory.md MEM-2)",
-                self.tier.memory_dir,
-                self.ring_slots,
-            )
-        self.spare = spare
         self._checked_capacity = True
         self._recheck = False
-
-    def _room(self, share: int, sources: set[int]) -> bool:
-        """Whether this node's memory directory fits the ring and its spare slot (True), the ring alone (False);
-        MemoryCapacityError when not even the ring fits."""
-        try:
-            self.tier.check_capacity(share, peer_sources=sources)
-            return self.tier.slot_count > self.ring_slots
-        except MemoryCapacityError:
-            if self.tier.slot_count == self.ring_slots:
-                raise
-        ring = MemoryTier(self.tier.memory_dir, self.run.url, slots=self.ring_slots)
-        ring.check_capacity(share, peer_sources=sources)
-        return False
 
     # ---------------------------------------------------------------- restore
 
     def candidates(self) -> list[MemoryCandidate]:
-        """This run's and node's committed slots, newest first (rank 0 looks; every rank gets its answer, each
-        slot named by its index in this rank's own ring). Slots of another run or node, torn or invalid ones are
-        logged with the reason and left out."""
-
-        def listing(_: Sequence[object]) -> list[tuple[int, int, str]]:
-            found: list[tuple[int, int, str]] = []
-            for slot in self.tier.slots():
-                if slot.status == "empty":
-                    continue
-                if slot.status != "committed" or slot.binding is None or slot.checkpoint_id is None:
-                    log.warning("memory slot %s ignored: %s", slot.path, slot.reason or slot.status)
-                    continue
-                foreign = self._foreign(slot.binding)
-                if foreign is not None:
-                    log.warning(
-                        "memory slot %s (step %d) ignored: %s; `ckpt rescue %s %s` persists it",
-                        slot.path,
-                        slot.binding.step,
-                        foreign,
-                        self.tier.memory_dir,
-                        self.run.url,
-                    )
-                    continue
-                found.append((slot.binding.step, slot.index, slot.checkpoint_id))
-            found.sort(key=lambda c: c[0], reverse=True)
-            return found
-
-        decided = decide(self.collective, None, listing, what="the memory slots", max_size=64)
-        return self._parse_candidates(decided)
-
-    def _parse_candidates(self, decided: object) -> list[MemoryCandidate]:
-        """The coordinator's list of ``[step, slot index, checkpoint id]``, checked as the hostile input it may be
-        (the same checks on every rank, so every rank accepts or refuses it alike)."""
-        if not isinstance(decided, list) or len(decided) > self.tier.slot_count:
-            raise MalformedMessageError("rank 0 sent a malformed list of memory slots")
-        out: list[MemoryCandidate] = []
-        for entry in decided:
-            if not (isinstance(entry, list) and len(entry) == 3):
-                raise MalformedMessageError(f"rank 0 sent a malformed memory slot entry: {str(entry)[:80]}")
-            step, index, ckpt_id = entry
-            if not _is_int(step) or step < 0:
-                raise MalformedMessageError(f"rank 0 sent a memory slot with step {str(step)[:40]}")
-            if not _is_int(index) or not 0 <= index < self.tier.slot_count:
-                raise MalformedMessageError(f"rank 0 sent memory slot index {str(index)[:40]}")
-            if not isinstance(ckpt_id, str) or CHECKPOINT_ID.fullmatch(ckpt_id) is None:
-                raise MalformedMessageError(f"rank 0 sent a memory slot with checkpoint id {str(ckpt_id)[:80]!r}")
-            out.append(MemoryCandidate(step=step, url=self.tier.slot_path(index), checkpoint_id=ckpt_id, slot=index))
-        return out
+        """This run's and node's committed slots, newest first
+        (:meth:`~ckptfmt.tier.candidates.RunSlots.candidates`)."""
+        return self.run_slots.candidates()
 
     def agreed(self) -> AgreedRestore:
         """The restore across nodes (several nodes, or replicas): what every node holds, agreed on every rank."""
-        return AgreedRestore(
-            self.tier,
-            collective=self.collective,
-            channel=self.channel,
-            nodes=self.nodes,
-            node=self.node,
-            run_id=self.run_id,
-            run_dir=self.run.url,
-            rank=self.rank,
-        )
+        return self.run_slots.agreed()
 
     def restored(self, step: int, candidate: MemoryCandidate | None) -> None:
         """After a restore of ``step`` (from ``candidate``, or from the run directory when None): slots holding a
@@ -390,11 +275,11 @@ class MemorySnapshots:
             self._ring().drop_after(step, slot)
         if slot is None or candidate is None:
             return
-        durable = self._durable_id(candidate.step)
+        durable = self.run_slots.durable_id(candidate.step)
         if durable is None:
-            self._submit_persist(slot)
+            self.persist_queue.submit(slot)
             return
-        self.durable_step = max(self.durable_step or -1, candidate.step)
+        self.persist_queue.made_durable(candidate.step)
         # (a durable copy made with a codec has an id of its own: that the step is there is enough)
         if durable != candidate.checkpoint_id and self.codec is None:
             log.warning(
@@ -402,15 +287,6 @@ class MemorySnapshots:
                 self.run.child_url(checkpoint_name(candidate.step)),
                 candidate.step,
             )
-
-    def _durable_id(self, step: int) -> str | None:
-        """The checkpoint id of the run directory's committed ``step-<step>``; None when there is none (or it cannot
-        be read: then a persist finds out what is there)."""
-        try:
-            store = open_store(self.run.child_url(checkpoint_name(step)), self.run.storage_options)
-            return checkpoint_id(read_manifest_bytes(store))
-        except CheckpointError:
-            return None
 
     # ---------------------------------------------------------------- snapshots
 
@@ -447,21 +323,8 @@ class MemorySnapshots:
     def _ring(self) -> RingPolicy:
         """Rank 0's ring, loaded from the slots on first use (under _lock)."""
         if not self.ring.loaded:
-            self.ring.load({s.index: self._own_step(s) for s in self.tier.slots()})
+            self.ring.load({s.index: self.run_slots.own_step(s) for s in self.tier.slots()})
         return self.ring
-
-    def _own_step(self, slot: Slot) -> int | None:
-        """The step of a committed slot of this run and node; None for any other (free to rewrite)."""
-        if slot.status != "committed" or slot.binding is None or self._foreign(slot.binding) is not None:
-            return None
-        return slot.binding.step
-
-    def _foreign(self, binding: SlotBinding) -> str | None:
-        """Why a slot bound so is not this run's, node's and run directory's (MEM-4), or None when it is."""
-        why = binding.foreign_to(run_id=self.run_id, node=self.node)
-        if why is None and normalize_run_url(binding.run_dir) != normalize_run_url(self.run.url):
-            why = f"written for run directory {binding.run_dir!r}"
-        return why
 
     def _pick_slot(self) -> int:
         """Rank 0: the slot the next snapshot goes to, or -1 when none may be written (MEM-2, :class:`RingPolicy`)."""
@@ -474,7 +337,7 @@ class MemorySnapshots:
         index = decide(
             self.collective, None, lambda _: self._pick_slot(), what=f"the memory slot of step {step}", max_size=64
         )
-        if not _is_int(index) or not -1 <= index < self.tier.slot_count:
+        if not is_int(index) or not -1 <= index < self.tier.slot_count:
             raise MalformedMessageError(f"rank 0 chose memory slot {str(index)[:40]} for step {step}")
         return int(index)
 
@@ -513,12 +376,13 @@ class MemorySnapshots:
         if committed is None:
             return
         slot, local = committed
-        self._replicate(slot, step, local)
+        if self._rounds is not None:
+            self._rounds.start(slot, step, local, self._files)
         if self.nodes.multi_node:
             if persist:
-                self._persist_spread(slot)
+                self.persist_queue.spread(slot, self._files)
         elif self.rank == 0 and persist:
-            self._submit_persist(slot)
+            self.persist_queue.submit(slot)
 
     def _write_slot(
         self, snap: Snapshot, step: int, *, release: bool
@@ -547,7 +411,7 @@ class MemorySnapshots:
             copying = True
             snap.materialize(self.buffers)
         except Exception as exc:
-            problem = _as_error(exc, self.rank)
+            problem = as_error(exc, self.rank)
             if copying and not snap.deferred:
                 self._refused = problem  # copies made but not to be trusted (a source changed meanwhile)
         decide(self.collective, problem, lambda _: None, what=f"the memory snapshot of step {step}", max_size=1 << 20)
@@ -574,7 +438,7 @@ class MemorySnapshots:
         except BaseException:
             writer.abort()
             raise
-        local = self._write_local_replicas(snap)
+        local = self._rounds.write_local(snap) if self._rounds is not None else {}
         if release:
             self._gate.open()
         ckpt_id = writer.commit()
@@ -613,189 +477,21 @@ class MemorySnapshots:
             try:
                 snap.materialize(self.buffers)
             except Exception as exc:
-                problem = _as_error(exc, self.rank)
+                problem = as_error(exc, self.rank)
         self.write_durable(step, snap, problem)
-        self.durable_step = max(self.durable_step or -1, step)
+        self.persist_queue.made_durable(step)
         log.warning(
             "durable save of step %d written straight to %s, as its memory snapshot was not taken", step, self.run.url
         )
-
-    def _write_local_replicas(self, snap: Snapshot) -> dict[int, tuple[FileRecord, ...]]:
-        """Data-parallel replicas are not copied again (spec/memory.md, replicas): when a rank that replicates to this
-        one holds the same state (DDP: everything; HSDP or ``Replicate()`` placements: the same piece of every
-        sharded tensor), its share is written here from this rank's own state, into its copy directory, while the
-        step is still held; the round then sends only what differs from the manifest. Nothing here can fail the
-        snapshot: a file not written is sent."""
-        if self.replicator is None or not self.replicator.sources:
-            return {}
-        assigned = owners(replicated_sizes(snap.tensors), self.world_size)
-        shards = [v for named in snap.tensors.values() for v in named.values() if isinstance(v, LocalShard)]
-        out: dict[int, tuple[FileRecord, ...]] = {}
-        for src in self.replicator.sources:
-            if any(src not in v.holders for v in shards):
-                continue  # the source holds other pieces than this rank (sharded, not replicated, between the two)
-            mine = [
-                (f, n, v)
-                for f, named in snap.tensors.items()
-                for n, v in named.items()
-                if (v.writer_rank == src if isinstance(v, LocalShard) else assigned.get(f"{f}/{n}") == src)
-            ]
-            if not mine:
-                continue
-            try:
-                store = SlotStore(self.replicator.local_dir(src, self._replica_rounds))
-                writer = CheckpointWriter(store, profile="training", overwrite=True, rank=src)
-            except CheckpointError as exc:
-                log.warning("local replica of rank %d not written: %s", src, exc)
-                continue
-            try:
-                for name in snap.tensors:  # the fields in the order the source declares them (file names follow)
-                    writer.write_tensors(name, {})
-                    for field_name, tname, value in mine:
-                        if field_name != name:
-                            continue
-                        if isinstance(value, LocalShard):
-                            writer.write_tensor(
-                                name, tname, value.array, global_shape=value.global_shape, offsets=value.offsets
-                            )
-                        else:
-                            writer.write_tensor(name, tname, value)
-                out[src] = writer.release()
-            except CheckpointError as exc:
-                writer.abort()
-                log.warning("local replica of rank %d not written: %s", src, exc)
-        return out
-
-    def _replicate(self, slot: int, step: int, local: dict[int, tuple[FileRecord, ...]]) -> None:
-        """Start a replica round for the snapshot just committed, when every rank's previous round is done (all
-        ranks decide together: a partner still busy makes every rank skip this one, never wait)."""
-        if self.replicator is None or self.collective is None:
-            return
-        go = decide(
-            self.collective,
-            self.replicator.busy(),
-            _one_bool("whether its replica round is still busy", lambda busy: not any(busy)),
-            what=f"the replica round of step {step}",
-            max_size=64,
-        )
-        if not isinstance(go, bool):
-            raise MalformedMessageError(f"rank 0 decided {str(go)[:40]} on the replica round of step {step}")
-        if not go:
-            self.replicator.skipped += 1
-            log.info("replica of step %d skipped: the previous one is still being copied", step)
-            return
-        path = self.tier.slot_path(slot)
-        manifest = SlotStore(path).read("manifest.json", max_size=MAX_MANIFEST_BYTES)
-        self.replicator.start(
-            self._replica_rounds, step=step, slot_path=path, manifest_bytes=manifest, files=self._files, local=local
-        )
-        self._replica_rounds += 1
-
-    def _persist_spread(self, slot: int) -> None:
-        """Several nodes: every rank copies its files of the slot into the run directory, rank 0 commits (on this
-        thread: the ranks' copies must line up, so they are not coalesced as one node's are)."""
-        assert self.collective is not None
-        with self._lock:
-            self.ring.hold(slot)
-        try:
-            done = persist_spread(
-                self.tier.slot_path(slot),
-                self.run,
-                collective=self.collective,
-                files=self._files,
-                throttle=Throttle(1.0 if self._closing else self.persist_duty),
-            )
-        finally:
-            with self._lock:
-                self.ring.release(slot)
-        self.last_persisted = done
-        self.durable_step = max(self.durable_step or -1, done.step)
-        if self.rank == 0 and self.on_persisted is not None:
-            self.on_persisted(done)
-
-    def _submit_persist(self, slot: int) -> None:
-        """Persist the snapshot just committed in ``slot`` in the background.
-
-        Only a running copy holds its slot out of the ring; one waiting behind it does not (two held slots
-        would leave a two-slot ring nowhere to write). At most one waits: a newer one due meanwhile replaces
-        it. A waiting copy whose slot was rewritten before it started takes the newest committed snapshot
-        instead, so a disk slower than the durable cadence makes durable saves sparser or later, never
-        stalls the trainer, never skips a memory snapshot, and never persists an older step after a newer.
-        """
-        with self._lock:
-            step = self._ring().step_of(slot)
-            if self._waiting is not None:
-                log.warning("durable save of step %s dropped: step %s is due before it started", self._waiting[1], step)
-            self._waiting = (slot, step if step is not None else -1)
-        self._persists.append(self._persister.submit(self._persist_waiting))
 
     def persist_slot(self, slot: int) -> None:
         """Persist the committed snapshot in ``slot`` in the background (one node: rank 0, the others have nothing
         to do; several: every rank copies its own files, so every rank calls this)."""
         if self.nodes.multi_node:
             self.wait_snapshot()
-            self._inflight = self._writer.submit(self._persist_spread, slot)
+            self._inflight = self._writer.submit(self.persist_queue.spread, slot, self._files)
         elif self.rank == 0:
-            self._submit_persist(slot)
-
-    def _persist_waiting(self) -> Persisted | None:
-        with self._lock:
-            waiting, self._waiting = self._waiting, None
-            if waiting is None:  # replaced by a newer one, which an earlier task already took
-                return None
-            slot, step = waiting
-            ring = self._ring()
-            if ring.step_of(slot) != step:  # rewritten since: the newest committed snapshot instead
-                newest = ring.newest_committed()
-                if newest is None:
-                    return None
-                log.warning(
-                    "the durable save due at step %d wrote step %s instead, the newest snapshot still whole in memory: "
-                    "step %d's memory slot was reused for a newer snapshot while an earlier durable save was still "
-                    "being written",
-                    step,
-                    newest[1],
-                    step,
-                )
-                slot, step = newest
-            ring.hold(slot)
-        return self._persist_held(slot, step, self.persist_duty)
-
-    def _persist_held(self, slot: int, step: int, duty: float) -> Persisted | None:
-        """Copy a slot already held out of the ring; release it afterwards."""
-        lower_thread_priority()
-        self._copying = (slot, step)
-        try:
-            done = persist(self.tier.slot_path(slot), self.run, throttle=_CopyThrottle(duty, self), codec=self.codec)
-        except CheckpointExistsError as exc:  # another process persists the same step right now
-            log.warning("memory slot %d not persisted: %s", slot, exc)
-            return None
-        except _Abandoned:
-            log.warning(
-                "the durable copy of step %d was abandoned at close after close_timeout=%s s; the snapshot stays in "
-                "memory slot %s (a restart restores and persists it, or `ckpt rescue %s %s`)",
-                step,
-                self.close_timeout,
-                self.tier.slot_path(slot),
-                self.tier.memory_dir,
-                self.run.url,
-            )
-            return None
-        finally:
-            self._copying = None
-            with self._lock:
-                self.ring.release(slot)
-        if done.status == "conflict":
-            log.warning(
-                "%s holds another checkpoint of step %d: the memory snapshot was not persisted there",
-                done.destination,
-                done.step,
-            )
-        self.last_persisted = done
-        self.durable_step = max(self.durable_step or -1, done.step)  # a conflict too: nothing more to do there
-        if self.on_persisted is not None:
-            self.on_persisted(done)
-        return done
+            self.persist_queue.submit(slot)
 
     # ---------------------------------------------------------------- waiting and shutdown
 
@@ -814,31 +510,21 @@ class MemorySnapshots:
     def wait(self) -> Persisted | None:
         """The snapshot in flight committed and every persist done; the first failure is raised."""
         self.wait_snapshot()
-        futures, self._persists = self._persists, []
-        last = None
-        for future in futures:
-            last = future.result() or last
-        return last
+        return self.persist_queue.wait()
 
     def raise_background_error(self) -> None:
         if self._inflight is not None and self._inflight.done():
             self.wait_snapshot()
-        if any(f.done() and f.exception() is not None for f in self._persists):
+        if self.persist_queue.any_failed():
             self.wait()
-        # persists that went well need no more looking at (a long run makes thousands of them)
-        self._persists = [f for f in self._persists if not f.done()]
+        self.persist_queue.forget_done()
 
     def persist_newest(self) -> Persisted | None:
         """Persist the newest committed snapshot now, unthrottled, on the calling thread (SIGTERM); None when
         there is none or this is not rank 0 (or the snapshot is spread over several nodes)."""
         if self.rank != 0 or self.nodes.multi_node:
             return None
-        with self._lock:
-            newest = self._ring().newest_committed()
-            if newest is None:
-                return None
-            self.ring.hold(newest[0])
-        return self._persist_held(newest[0], newest[1], 1.0)
+        return self.persist_queue.copy_newest()
 
     def close(self, *, persist: bool = True) -> None:
         """Wait for the work in flight; with ``persist``, make the newest snapshot durable if it is not yet
@@ -848,99 +534,35 @@ class MemorySnapshots:
         ``close_timeout`` rank 0 abandons one node's copies that outlast it (the snapshot stays in memory)."""
         try:
             self.wait_snapshot()
-            self._closing = True
-            if self.close_timeout is not None:
-                self._deadline = time.monotonic() + self.close_timeout
-            self._announce_wait()
+            self.persist_queue.start_closing()
+            self.persist_queue.announce_wait()
             self.wait()
             newest, durable = self.newest, self.durable_step
             if persist and newest is not None and (durable is None or durable < newest.step):
                 if self.nodes.multi_node:  # every rank copies its own files, together
-                    self._writer.submit(self._persist_spread, newest.slot).result()
+                    self._writer.submit(self.persist_queue.spread, newest.slot, self._files).result()
                 else:
                     self.persist_newest()
         finally:
             if self.replicator is not None:
                 self.replicator.close()
             self._writer.shutdown()
-            self._persister.shutdown()
+            self.persist_queue.shutdown()
             self._gate.remove()
             self.stop_watcher()
-
-    def _announce_wait(self) -> None:
-        """Say what close() waits for, when a durable copy is still running or queued."""
-        if all(f.done() for f in self._persists):
-            return
-        copying, waiting = self._copying, self._waiting
-        parts = [f"step {copying[1]} (memory slot {copying[0]})"] if copying is not None else []
-        if waiting is not None:
-            parts.append(f"step {waiting[1]}, queued")
-        bound = (
-            f"at most close_timeout={self.close_timeout} s, then abandoned"
-            if self.close_timeout is not None
-            else "until it is done (close_timeout= bounds this)"
-        )
-        log.warning(
-            "closing: waiting for the durable copy of %s into %s, unthrottled, %s",
-            " and ".join(parts) or "a memory snapshot",
-            self.run.url,
-            bound,
-        )
 
     # ---------------------------------------------------------------- SIGTERM while blocked
 
     def start_watcher(self, signals: tuple[signal.Signals, ...]) -> None:
-        """Persist the newest snapshot as soon as one of ``signals`` arrives, from a thread of its own.
-
-        A Python signal handler runs only when the main thread returns to the interpreter, which a trainer
-        blocked in a collective with a dead peer never does before torchrun's SIGKILL. The C-level handler
-        writes the signal number to the wakeup fd, which this thread reads at once. Main thread only, and
-        only when nobody else (asyncio) owns the wakeup fd.
-        """
-        if self.rank != 0 or threading.current_thread() is not threading.main_thread():
+        """Persist the newest snapshot as soon as one of ``signals`` arrives, from a thread of its own
+        (:class:`~.signal_watcher.SignalWatcher`: main thread only, and only when nobody else owns the wakeup fd)."""
+        if self.rank != 0:
             return
         if self.nodes.multi_node:
             # rank 0 alone holds only its node's files of a snapshot; a persist takes every rank
             # (checkpoint_if_due's preemption save), and replicas keep what a lost node held
             return
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        if previous != -1:
-            signal.set_wakeup_fd(previous)
-            os.close(read_fd)
-            os.close(write_fd)
-            return
-        self._wakeup = (read_fd, write_fd)
-        wanted = {int(s) for s in signals}
-
-        def watch() -> None:
-            while True:
-                try:
-                    data = os.read(read_fd, 64)
-                except OSError:
-                    return
-                if not data:
-                    return
-                if wanted & set(data):
-                    try:
-                        done = self.persist_newest()
-                        if done is not None:
-                            log.warning(
-                                "signal received: memory snapshot of step %d is durable (%s)", done.step, done.status
-                            )
-                    except CheckpointError as exc:
-                        log.error("signal received: the newest memory snapshot could not be persisted: %s", exc)
-
-        self._watcher = threading.Thread(target=watch, name="ckptfmt-sigterm", daemon=True)
-        self._watcher.start()
+        self._watcher.start(signals)
 
     def stop_watcher(self) -> None:
-        if self._wakeup is None:
-            return
-        read_fd, write_fd = self._wakeup
-        self._wakeup = None
-        if threading.current_thread() is threading.main_thread():
-            signal.set_wakeup_fd(-1)
-        os.close(write_fd)
-        os.close(read_fd)
+        self._watcher.stop()
