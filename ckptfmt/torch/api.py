@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import os
@@ -14,20 +13,37 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .. import optimizer_layout
 from .. import provenance as prov
 from ..canonical import canonical_json
-from ..errors import ContextError, FieldNotFoundError, ResumeMismatchError, UsageError
+from ..errors import ResumeMismatchError, UsageError
 from ..reader import Checkpoint, open_checkpoint
 from ..run import check_replaceable_url
 from ..storage import open_store
 from ..writer import CheckpointWriter
-from . import in_place, read_state, rng, sharding, state
-from . import loader as loader_mod
+from . import data_position, in_place, read_state, rng, sharding, state
+
+# the all-or-nothing apply (apply_snapshot.py) is part of this module's face: api.apply, api.missing_fields
+from .apply_snapshot import apply, missing_fields
 from .state import HostBuffers, Snapshot
 
 log = logging.getLogger("ckptfmt")
 Policy = Literal["strict", "warn", "ignore"]
+__all__ = [
+    "DEDICATED_TIMEOUT",
+    "Policy",
+    "Restored",
+    "apply",
+    "capture",
+    "data_source",
+    "live_targets",
+    "load",
+    "load_checkpoint",
+    "missing_fields",
+    "restore",
+    "resume_mismatches",
+    "save",
+    "topology",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +136,7 @@ def capture(
             "a training checkpoint needs the data position: pass loader= (a ckptfmt.torch.ResumableDataLoader) "
             "or sampler= (a ResumableSampler)"
         )
-    data = loader_mod.data_field(source, policy=data_policy, steps_passed=steps_passed)
+    data = data_position.data_field(source, policy=data_policy, steps_passed=steps_passed)
     snap = Snapshot()
     state.capture_model(model, snap, buffers, defer=defer)
     state.capture_optimizer(optimizer, snap, buffers, defer=defer, model=model if optimizer_by_name else None)
@@ -229,160 +245,13 @@ def resume_mismatches(
     if isinstance(code, Mapping) and now is not None and code.get("commit") != now["commit"]:
         out.append(f"code commit {code.get('commit')} in the checkpoint, {now['commit']} now")
     dataset = snap.contexts.get("data", {}).get("dataset")
-    current_ds = loader_mod.dataset_identity(sampler) if sampler is not None else None
+    current_ds = data_position.dataset_identity(sampler) if sampler is not None else None
     if isinstance(dataset, Mapping) and current_ds is not None:
         mine = current_ds.to_dict()
         for key in ("name", "version", "digest"):
             if dataset.get(key) != mine.get(key):
                 out.append(f"dataset {key} {dataset.get(key)!r} in the checkpoint, {mine.get(key)!r} now")
     return out
-
-
-def missing_fields(
-    snap: Snapshot,
-    *,
-    optimizer: object = None,
-    sampler: object = None,
-    scheduler: object = None,
-    scaler: object = None,
-    restore_rng: bool = True,
-) -> list[str]:
-    """The fields this restore needs that the checkpoint does not hold (e.g. a ``weights``-profile checkpoint)."""
-    needed = [("weights", "tensors")]
-    needed += [("optimizer", "tensors"), ("optimizer", "context")] if optimizer is not None else []
-    needed += [("data", "context")] if sampler is not None else []
-    needed += [("scheduler", "context")] if scheduler is not None else []
-    needed += [("grad_scaler", "context")] if scaler is not None else []
-    # a model-only load (e.g. of a weights-profile checkpoint) restores the RNG if there is one
-    training = optimizer is not None or sampler is not None
-    needed += [("rng", "context")] if restore_rng and training else []
-    missing = []
-    for name, kind in needed:
-        where = snap.tensors if kind == "tensors" else snap.contexts
-        if name not in where and name not in missing:
-            missing.append(name)
-    return missing
-
-
-def _check_model(model: torch.nn.Module, snap: Snapshot) -> None:
-    """Refuse, before anything is applied, weights that ``load_state_dict`` would only partly load."""
-    tensors = snap.tensors["weights"]
-    aliases = snap.contexts.get("weights", {}).get("aliases", {})
-    if not isinstance(aliases, Mapping) or not all(isinstance(t, str) and t in tensors for t in aliases.values()):
-        raise ContextError("'aliases' must map names to tensors of the field", field="weights")
-    live = model.state_dict()
-    stored = set(tensors) | set(aliases)
-    absent, unexpected = sorted(set(live) - stored), sorted(stored - set(live))
-    if absent or unexpected:
-        raise UsageError(
-            f"the checkpoint's weights do not fit the model: missing {absent[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, tensor in live.items():
-        array = tensors[aliases.get(name, name)]
-        if tuple(array.shape) != tuple(tensor.shape):
-            raise UsageError(
-                f"weight {name!r} has shape {list(array.shape)} in the checkpoint, {list(tensor.shape)} in the model"
-            )
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot) -> None:
-    context = snap.contexts["optimizer"]
-    optimizer_layout.check_class(context, type(optimizer).__name__)
-    groups = context.get("param_groups")
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
-        raise ContextError("'param_groups' must be a list of maps with 'params'", field="optimizer")
-    sizes = [len(g["params"]) for g in groups]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise UsageError(f"the checkpoint's parameter groups have {sizes} parameters, the optimizer's differ")
-    if state.optimizer_keys(snap) == "index":  # keyed by parameter name (fqn), any name is a parameter's
-        for name in snap.tensors["optimizer"]:
-            parts = name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
-                raise ContextError(f"optimizer tensor {name!r} is not named state.<index>.<key>", field="optimizer")
-
-
-def _rollback_point(
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    scaler: Any,
-    generators: Mapping[str, np.random.Generator] | None,
-) -> list[tuple[str, Any]]:
-    """What to put back if applying fails half-way (the model is applied last, after every check)."""
-    saved: list[tuple[str, Any]] = []
-    # Not the data source: it is applied after all of these, and asking some loaders for their state has
-    # side effects (a fresh torchdata StatefulDataLoader's state_dict() changes its next epoch's order).
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-        if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            # load_state_dict gives an optimizer new state tensors and leaves the old ones alone: references
-            # suffice there (no second copy of the optimizer state); the others are small.
-            previous = obj.state_dict()
-            saved.append((name, (obj, previous if name == "optimizer" else copy.deepcopy(previous))))
-    saved.append(("rng", rng.capture(generators)))
-    return saved
-
-
-def _roll_back(saved: list[tuple[str, Any]], generators: Mapping[str, np.random.Generator] | None) -> None:
-    for name, value in saved:
-        try:
-            if name == "rng":
-                rng.restore(value, generators)
-            else:
-                obj, previous = value
-                obj.load_state_dict(previous)
-        except Exception:  # a rollback that fails must not hide the original error
-            log.exception("could not put the previous %s state back", name)
-
-
-def apply(
-    snap: Snapshot,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    sampler: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    generators: Mapping[str, np.random.Generator] | None = None,
-    restore_rng: bool = True,
-) -> None:
-    """Put a verified snapshot into the live objects, all or nothing.
-
-    Everything is checked first (fields present, weights' names and shapes, optimizer class and groups,
-    the data position's kind); then the scheduler, scaler, optimizer, RNG and data position are applied,
-    and the model last. If one of them still fails, the ones already applied are put back.
-    """
-    missing = missing_fields(
-        snap, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler, restore_rng=restore_rng
-    )
-    if missing:
-        raise FieldNotFoundError(
-            f"the checkpoint has no {', '.join(missing)} field(s), which this restore needs"
-            " (a 'weights'-profile checkpoint holds weights only: load it with model= alone)"
-        )
-    restore_rng = restore_rng and "rng" in snap.contexts
-    _check_model(model, snap)
-    if optimizer is not None:
-        _check_optimizer(optimizer, snap)
-    if sampler is not None:
-        loader_mod.check_restorable(sampler, snap.contexts["data"])
-    saved = _rollback_point(optimizer=optimizer, scheduler=scheduler, scaler=scaler, generators=generators)
-    try:
-        if scheduler is not None:
-            state.apply_stateful("scheduler", scheduler, snap)
-        if scaler is not None:
-            state.apply_stateful("grad_scaler", scaler, snap)
-        if optimizer is not None:
-            state.apply_optimizer(optimizer, snap, model)
-        if restore_rng:
-            rng.restore(snap.contexts["rng"], generators)
-        if sampler is not None:
-            loader_mod.restore_data(sampler, snap.contexts["data"])
-        state.apply_model(model, snap)
-        if snap.copy_in is not None:  # last: the bytes of tensors loaded in place (in_place.py)
-            snap.copy_in()
-    except BaseException:
-        _roll_back(saved, generators)
-        raise
 
 
 def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
