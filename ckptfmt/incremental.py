@@ -14,7 +14,8 @@ A base chunk that is itself a reference is referenced where it is stored (REF-9:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import os
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,12 @@ class BaseIndex:
         """The checkpoint id of the base (or the base's base) at ``location``."""
         return self._ids[location]
 
+    def records(self, references: Iterable[ChunkRecord]) -> tuple[BaseRecord, ...]:
+        """The manifest's base records for the chunks ``references`` (referenced through this index): the
+        checkpoints that store them, each with its id and the files referenced there."""
+        ids = {c.base: self.id_of(c.base) for c in references if c.base}
+        return merge_bases(ids, [(loc, f) for (loc, _), f in self.stats.files.items()])
+
     def match(
         self, field_name: str, name: str, dtype: str, global_shape: Shape, offsets: Shape, data: np.ndarray[Any, Any]
     ) -> tuple[ChunkRecord, BaseRecord] | None:
@@ -131,6 +138,31 @@ class BaseIndex:
         for f in found.base.files:
             self.stats.files[(found.base.location, f.path)] = f
         return chunk, found.base
+
+
+def open_base_index(
+    store: Store,
+    base: Checkpoint | str | os.PathLike[str] | None,
+    frozen: Collection[str],
+    content: RawDigests | None,
+) -> BaseIndex | None:
+    """The chunks of ``base`` for a writer into ``store`` (None without a base): a checkpoint open already, or one
+    named by path or URL, which must be beside ``store`` (opened as its sibling, with its credentials)."""
+    if base is None:
+        if frozen:
+            raise UsageError("frozen= names tensors unchanged since a base: give base= too")
+        return None
+    from .reader import Checkpoint, open_store_checkpoint
+
+    if isinstance(base, Checkpoint):
+        return BaseIndex(base, store, frozen=frozen, content=content)
+    url = os.fspath(base).rstrip("/")
+    sibling = store.sibling(url.rpartition("/")[2] if "/" in url else url)
+    expected = os.path.abspath(url) if store.capabilities.local and "://" not in url else url
+    if "/" in url and sibling.url.rstrip("/") != expected.rstrip("/"):
+        raise UsageError(f"the base {url} must be a checkpoint beside {store.url} (in the same run directory)")
+    with open_store_checkpoint(sibling) as opened:
+        return BaseIndex(opened, store, frozen=frozen, content=content)
 
 
 def _as_reference(chunk: ChunkRecord, location: str) -> ChunkRecord:

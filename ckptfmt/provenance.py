@@ -8,6 +8,7 @@ import platform
 import socket
 import subprocess
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from importlib import metadata
 
 from ._version import __version__
@@ -59,6 +60,16 @@ def _versions(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         except metadata.PackageNotFoundError:
             continue
     return tuple(out.items())
+
+
+def default_provenance() -> dict[str, object]:
+    """What the writer puts in every ``provenance`` context, under the caller's own keys: the writer, the time of
+    writing (UTC, microseconds) and the host."""
+    return {
+        "writer": {"name": "ckptfmt", "version": __version__},
+        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "host": socket.gethostname(),
+    }
 
 
 def capture(

@@ -23,52 +23,38 @@ writer commits (or :meth:`CheckpointWriter.flush` returns).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Collection, Mapping, Sequence
-from datetime import datetime, timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import layout
-from ._version import __version__
 from .arrays import as_array
 from .blocks import DEFAULT_BLOCK_BYTES
-from .blocks import valid_size as valid_block_size
 from .canonical import config_hash, config_to_dict
 from .codecs import WriteCodec
 from .collective import Collective
 from .collective_commit import COORDINATOR, start_commit
 from .context import encode
-from .digests import DEFAULT_ALGORITHM, new_hasher
+from .digests import DEFAULT_ALGORITHM
 from .errors import CheckpointError, CollectiveError, UsageError
 from .fields import check_standard_field
-from .incremental import BaseIndex, ChunkKey, RawDigests, ReferenceStats, merge_bases
+from .incremental import ChunkKey, RawDigests, ReferenceStats, open_base_index
 from .manifest import FileRecord
 from .paths import check_field_name
 from .plan import FilePlan, RankPlanner, RankResult
 from .profiles import PROFILES
+from .provenance import default_provenance
 from .references import BaseRecord
 from .storage import Store
 from .write_executor import WriteExecutor
+from .write_options import WriteOptions
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
 
 DEFAULT_TARGET_FILE_SIZE = 1 << 30
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def default_provenance() -> dict[str, object]:
-    return {
-        "writer": {"name": "ckptfmt", "version": __version__},
-        "created_at": _now(),
-        "host": socket.gethostname(),
-    }
 
 
 class CheckpointWriter:
@@ -99,50 +85,46 @@ class CheckpointWriter:
         base_content: RawDigests | None = None,
         before_replace: Callable[[], None] | None = None,
     ) -> None:
-        if profile not in PROFILES:
-            raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
-        if target_file_size <= 0 or workers <= 0 or rank < 0:
-            raise UsageError("target_file_size and workers must be positive, rank non-negative")
-        if collective is not None and collective.rank != rank:
-            rank = collective.rank
-        new_hasher(digest)  # fail early on an unknown algorithm
-        if block_bytes is not None and not valid_block_size(block_bytes):
-            raise UsageError(f"block_bytes must be a power of two from 4096 to 2**30 (or None), got {block_bytes!r}")
-        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise UsageError("metadata must map strings to strings")
-        # Ranks whose stores are not shared (a memory slot on each node, spec/commit.md "Several stores"): the
-        # store each rank writes to, by rank; None: one store every rank sees.
-        spread = tuple(store_of_rank) if store_of_rank is not None and collective is not None else None
-        if spread is not None and len(spread) != collective.world_size:  # type: ignore[union-attr]
-            raise UsageError("store_of_rank needs one entry per rank")
+        options = WriteOptions.check(
+            profile=profile,
+            target_file_size=target_file_size,
+            digest=digest,
+            rank=rank,
+            workers=workers,
+            metadata=metadata,
+            collective=collective,
+            codec=codec,
+            store_of_rank=store_of_rank,
+            block_bytes=block_bytes,
+        )
         self.store = store
-        self.profile = profile
-        self.digest = digest
-        self.rank = rank
-        self.metadata = dict(metadata or {})
+        self.profile = options.profile
+        self.digest = options.digest
+        self.rank = options.rank
+        self.metadata = options.metadata
         self.collective = collective
-        self.store_of_rank = spread
+        self.store_of_rank = options.store_of_rank
         self.checkpoint_id: str | None = None
         # base: an earlier checkpoint beside this one; chunks equal to its chunks are referenced, not written
         # (spec/references.md). frozen: tensor names the caller declares unchanged since the base (not hashed).
         # base_content: ``raw_digests`` of the writer of this process that wrote the base, with its checkpoint id:
         # lets an unchanged encoded chunk be referenced after a hash (ignored unless the ids match)
-        # codec: None or "raw" stores raw chunks; "zstd" or "zstd:LEVEL" compresses floating chunks (spec/codecs.md)
-        codec = WriteCodec.parse(codec)  # refused before the base is opened
-        self._base = _base_index(store, base, frozen, base_content)
-        self._planner = RankPlanner(rank=rank, target_file_size=target_file_size, codec=codec, base=self._base)
+        self._base = open_base_index(store, base, frozen, base_content)
+        self._planner = RankPlanner(
+            rank=self.rank, target_file_size=options.target_file_size, codec=options.codec, base=self._base
+        )
         self._arrays: dict[tuple[str, str], np.ndarray[Any, Any]] = {}  # (field, key) -> pending array
         self._contexts: dict[str, str] = {}
         self._closed = False
-        # block_bytes: raw chunks larger than this get a digest per block, so partial reads are verified over
-        # exactly the blocks they read (spec/blocks.md); None writes none (the checkpoint stays a 1.0 or 1.1 one)
-        self._executor = WriteExecutor(store, algorithm=digest, workers=workers, block_bytes=block_bytes)
+        self._executor = WriteExecutor(
+            store, algorithm=options.digest, workers=options.workers, block_bytes=options.block_bytes
+        )
         try:
             self._commit = start_commit(
                 store,
                 collective,
-                store_of_rank=spread,
-                profile=profile,
+                store_of_rank=options.store_of_rank,
+                profile=options.profile,
                 metadata=self.metadata,
                 overwrite=overwrite,
                 bases=() if self._base is None else self._base.names,
@@ -218,8 +200,7 @@ class CheckpointWriter:
         references = self._planner.references
         bases: tuple[BaseRecord, ...] = ()
         if self._base is not None and references:
-            ids = {c.chunk.base: self._base.id_of(c.chunk.base) for c in references if c.chunk.base}
-            bases = merge_bases(ids, [(loc, f) for (loc, _), f in self._base.stats.files.items()])
+            bases = self._base.records(c.chunk for c in references)
         return RankResult(
             rank=self.rank,
             files=tuple(self._executor.files[p] for p in sorted(self._executor.files)),
@@ -315,30 +296,6 @@ class CheckpointWriter:
         self._close()
         error = exc if isinstance(exc, CheckpointError) else CollectiveError(f"rank {self.rank} failed: {exc!r}")
         self._commit.fail(error, written=self._executor.written)
-
-
-def _base_index(
-    store: Store,
-    base: Checkpoint | str | os.PathLike[str] | None,
-    frozen: Collection[str],
-    content: RawDigests | None,
-) -> BaseIndex | None:
-    """The base's chunks, read from its manifest (opened beside ``store``, with its credentials, from a URL)."""
-    if base is None:
-        if frozen:
-            raise UsageError("frozen= names tensors unchanged since a base: give base= too")
-        return None
-    from .reader import Checkpoint, open_store_checkpoint
-
-    if isinstance(base, Checkpoint):
-        return BaseIndex(base, store, frozen=frozen, content=content)
-    url = os.fspath(base).rstrip("/")
-    sibling = store.sibling(url.rpartition("/")[2] if "/" in url else url)
-    expected = os.path.abspath(url) if store.capabilities.local and "://" not in url else url
-    if "/" in url and sibling.url.rstrip("/") != expected.rstrip("/"):
-        raise UsageError(f"the base {url} must be a checkpoint beside {store.url} (in the same run directory)")
-    with open_store_checkpoint(sibling) as opened:
-        return BaseIndex(opened, store, frozen=frozen, content=content)
 
 
 __all__ = ["COORDINATOR", "DEFAULT_TARGET_FILE_SIZE", "CheckpointWriter", "default_provenance"]

@@ -43,9 +43,7 @@ def live() -> TrainingState:
     ("options", "named"),
     [
         ({"async_save": True}, "async_save=True"),
-        ({"incremental": True}, "incremental=True"),
-        ({"incremental": True, "frozen": ("w",)}, "frozen="),
-        ({"incremental": True, "full_every": 3}, "full_every="),
+        ({"async_save": True, "incremental": True}, "async_save=True"),
     ],
 )
 def test_durable_options_the_memory_tier_cannot_honour_are_refused_by_name(

@@ -3,7 +3,8 @@
 A memory snapshot is an ordinary ckptfmt checkpoint in a slot directory on a tmpfs
 (:mod:`.ring`), bound to its run and node by manifest metadata (:mod:`.binding`), written in place
 (:class:`~ckptfmt.storage.slot.SlotStore`), copied byte for byte into the run directory
-(:mod:`.persist`), and rescued by ``ckpt rescue`` after its writers died (:mod:`.rescue`).
+(:mod:`.persist`) or re-written on top of the previous durable save (:mod:`.persist_incremental`), and rescued
+by ``ckpt rescue`` after its writers died (:mod:`.rescue`).
 The trainer's side is :class:`ckptfmt.torch.CheckpointManager` (``memory_every=``).
 """
 

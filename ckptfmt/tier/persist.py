@@ -7,6 +7,10 @@ published; the manifest is written last, create-only, by the same commit protoco
 (:class:`~ckptfmt.commit.Committer`, spec/commit.md). A slot that changed or rotted since it was
 committed fails its digest check and is not persisted.
 
+A persist re-encoded with a codec (``persist(..., codec=)``) or re-written on a base
+(:mod:`.persist_incremental`, ``incremental=True``) is a checkpoint of its own instead, whose provenance names
+the snapshot (:func:`rewritten_status`, MEM-7).
+
 A persist runs beside training, so it is throttled (:class:`Throttle`): a share of wall time, and a
 lower scheduling priority for the thread that does it.
 """
@@ -42,6 +46,7 @@ from ..manifest import Manifest, checkpoint_id
 from ..manifest_io import read_manifest_bytes
 from ..manifest_parse import parse_manifest
 from ..paths import MANIFEST_NAME, MAX_PATH_BYTES
+from ..reader import open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import Store, open_store
 from .binding import SlotBinding
@@ -158,7 +163,7 @@ def persist(
         return _persist_encoded(source, run, step=step, codec=codec, update_latest=update_latest)
     throttle = throttle or Throttle()
     started = time.perf_counter()
-    src, manifest, ckpt_id, step, name = _source(source, step, run)
+    src, manifest, ckpt_id, step, name = snapshot_source(source, step, run)
     dst = open_store(run.child_url(name), run.storage_options)
 
     def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
@@ -173,13 +178,13 @@ def persist(
             seconds=time.perf_counter() - started,
         )
 
-    existing = _existing_id(dst)
+    existing = existing_id(dst)
     if existing is not None:
         return outcome("already durable" if existing == ckpt_id else "conflict")
     try:
         committer = Committer(dst)
     except CheckpointExistsError:  # committed (or being written) by another process since the look above
-        existing = _existing_id(dst)
+        existing = existing_id(dst)
         return outcome("already durable" if existing == ckpt_id else "conflict")
     written: list[str] = []
     try:
@@ -193,7 +198,7 @@ def persist(
     if committed != ckpt_id:  # the manifest is written as parsed: a writer that is not canonical shows here
         log.warning("%s: persisted with checkpoint id %s (the snapshot's is %s)", dst.url, committed, ckpt_id)
     if update_latest:
-        _advance_latest(run, name, step, committed)
+        advance_latest(run, name, step, committed)
     return outcome("persisted", sum(f.size for f in manifest.files))
 
 
@@ -213,7 +218,7 @@ def _refuse_special_child(run: RunDirectory, name: str) -> None:
         raise UnsafePathError("is a symlink or not a directory: not persisted into", path=path)
 
 
-def _source(
+def snapshot_source(
     source: str | os.PathLike[str] | Store, step: int | None, run: RunDirectory
 ) -> tuple[Store, Manifest, str, int, str]:
     """The snapshot to persist: its store, manifest, checkpoint id, step (default: its binding's) and the name
@@ -228,7 +233,7 @@ def _source(
     return src, manifest, checkpoint_id(data), step, name
 
 
-def _existing_id(store: Store) -> str | None:
+def existing_id(store: Store) -> str | None:
     try:
         if not store.exists(MANIFEST_NAME):
             return None
@@ -237,7 +242,7 @@ def _existing_id(store: Store) -> str | None:
         return None
 
 
-def _advance_latest(run: RunDirectory, name: str, step: int, ckpt_id: str) -> None:
+def advance_latest(run: RunDirectory, name: str, step: int, ckpt_id: str) -> None:
     """Point ``latest`` here unless it already names a newer step (a rescue of an older slot must not move it back)."""
     current = run.latest()
     current_step = current.get("step") if current else None
@@ -246,24 +251,33 @@ def _advance_latest(run: RunDirectory, name: str, step: int, ckpt_id: str) -> No
     run.set_latest(name, step, ckpt_id)
 
 
+def rewritten_status(destination: str, run: RunDirectory, snapshot_id: str) -> tuple[PersistStatus, str] | None:
+    """What a persist that re-writes the snapshot (a codec, references) finds at ``destination``: None when nothing
+    is committed there; ``already durable`` when the checkpoint there is the snapshot or was re-written from it (its
+    provenance's ``converted_from`` names the snapshot's id), else ``conflict``; with the id of what is there."""
+    existing = existing_id(open_store(destination, run.storage_options))
+    if existing is None:
+        return None
+    with open_checkpoint(destination, run.storage_options) as ckpt:
+        origin = ckpt.read_context("provenance").get("converted_from") if "provenance" in ckpt.fields else None
+    same = isinstance(origin, dict) and origin.get("checkpoint_id") == snapshot_id
+    return ("already durable" if same or existing == snapshot_id else "conflict"), existing
+
+
 def _persist_encoded(
     source: str | os.PathLike[str], run: RunDirectory, *, step: int | None, codec: str, update_latest: bool
 ) -> Persisted:
     from ..convert.native import reencode
-    from ..reader import open_checkpoint
 
     started = time.perf_counter()
-    src, manifest, snapshot_id, step, name = _source(source, step, run)
+    src, manifest, snapshot_id, step, name = snapshot_source(source, step, run)
     destination = run.child_url(name)
     status: PersistStatus = "persisted"
     nbytes = 0
     ckpt_id = snapshot_id
-    existing = _existing_id(open_store(destination, run.storage_options))
-    if existing is not None:
-        with open_checkpoint(destination, run.storage_options) as ckpt:
-            origin = ckpt.read_context("provenance").get("converted_from") if "provenance" in ckpt.fields else None
-        same = isinstance(origin, dict) and origin.get("checkpoint_id") == snapshot_id
-        status, ckpt_id = ("already durable" if same or existing == snapshot_id else "conflict"), existing
+    found = rewritten_status(destination, run, snapshot_id)
+    if found is not None:
+        status, ckpt_id = found
     else:
         try:
             result = reencode(str(source), destination, storage_options=run.storage_options, codec=codec)
@@ -272,7 +286,7 @@ def _persist_encoded(
         ckpt_id = result.checkpoint_id or snapshot_id
         nbytes = sum(f.size for f in manifest.files)
         if update_latest:
-            _advance_latest(run, name, step, ckpt_id)
+            advance_latest(run, name, step, ckpt_id)
     return Persisted(
         source=src.url,
         destination=destination,
@@ -308,20 +322,20 @@ def persist_spread(
     commit: CollectiveCommit | None = None
     mine: object
     try:
-        src, manifest, ckpt_id, step, name = _source(source, None, run)
+        src, manifest, ckpt_id, step, name = snapshot_source(source, None, run)
         what = f"the persist of step {step}"
         dst = open_store(run.child_url(name), run.storage_options)
         status: PersistStatus | None = None
         committer: Committer | None = None
         if collective.rank == 0:
             try:
-                existing = _existing_id(dst)
+                existing = existing_id(dst)
                 if existing is None:
                     committer = Committer(dst)
                 else:
                     status = "already durable" if existing == ckpt_id else "conflict"
             except CheckpointExistsError:
-                existing = _existing_id(dst)
+                existing = existing_id(dst)
                 status = "already durable" if existing == ckpt_id else "conflict"
         # a list of paths: at most as many as the manifest lists, each at most 1 KiB plus its quotes and comma
         commit = CollectiveCommit(
@@ -331,7 +345,7 @@ def persist_spread(
             plan=lambda reports, _: (manifest, _copied(reports, dst, manifest, what)),
             what=what,
             max_size=MAX_STATUS_BYTES + len(manifest.files) * (MAX_PATH_BYTES + 3),
-            after=lambda: _advance_latest(run, name, step, ckpt_id),
+            after=lambda: advance_latest(run, name, step, ckpt_id),
         )
         mine = {"checkpoint_id": ckpt_id, "status": status}
     except CheckpointError as exc:

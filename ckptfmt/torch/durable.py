@@ -19,6 +19,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..chain import SINCE_FULL, depth_of, next_depth
+from ..chain import since_full as since_full  # its home was here
 from ..collective import Collective
 from ..decide import decide
 from ..errors import CheckpointError
@@ -33,7 +35,6 @@ from .state import HostBuffers, Snapshot
 from .training_state import Lineage, TrainingState
 
 log = logging.getLogger("ckptfmt")
-SINCE_FULL = "ckptfmt.incremental.since_full"  # manifest metadata: saves since the last self-contained one
 
 
 class DurableEngine:
@@ -184,7 +185,7 @@ class DurableEngine:
         """A restore took the run directory's ``name``: the next incremental save references it (its depth from the
         manifest's metadata when it references a base itself, 0 when it is self-contained)."""
         if self.options.incremental:
-            self._base = (name, since_full(metadata) if referencing else 0)
+            self._base = (name, depth_of(metadata, referencing=referencing))
 
     def _base_for(self, name: str) -> tuple[str | None, int]:
         """The base of the next durable save and its depth (saves since the last full one, 0: this one is full).
@@ -194,9 +195,10 @@ class DurableEngine:
         if not self.options.incremental or self._base is None or self._base[0] == name:
             return None, 0
         base_name, depth = self._base
-        if depth + 1 >= self.options.full_every:
+        following = next_depth(depth, self.options.full_every)
+        if following is None:
             return None, 0
-        return self.run.child_url(base_name), depth + 1
+        return self.run.child_url(base_name), following
 
     def wait(self) -> str | None:
         future, self._inflight = self._inflight, None
@@ -227,9 +229,3 @@ class DurableEngine:
 def _all_ready(values: Sequence[object]) -> bool:
     """Every rank's state was captured: the save goes ahead (``decide`` only calls this when none failed)."""
     return True
-
-
-def since_full(metadata: Mapping[str, str]) -> int:
-    """Saves since the last full one, as the checkpoint records it (unknown: as if full_every were reached)."""
-    value = metadata.get(SINCE_FULL, "")
-    return int(value) if value.isdigit() else 1 << 30

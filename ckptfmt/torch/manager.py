@@ -139,7 +139,7 @@ class CheckpointManager:
             self._memory_engine = MemoryEngine(
                 self.run,
                 options=self.memory,
-                codec=self.durable.codec,
+                durable=self.durable,
                 lineage=self._lineage,
                 retention=self.retention,
                 collective=collective,

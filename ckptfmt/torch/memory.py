@@ -34,18 +34,21 @@ its copy) is skipped on every rank together, with a warning: the older slots sti
 checked again before the next one, and training goes on. A durable save that falls due at such a step is
 written from the live state straight to the run directory (the caller's ``write_durable``).
 
-What lives where: this class is the façade the manager, the restorer and the tests use; the capacity check is
-:func:`ckptfmt.tier.capacity.agree_capacity`, the restore side (whose slots, candidates, the agreed restore) is
-:class:`ckptfmt.tier.candidates.RunSlots`, the durable copies are :class:`.persist_queue.PersistQueue`, replica
-rounds :class:`.replica_rounds.ReplicaRounds`, the SIGTERM thread :class:`.signal_watcher.SignalWatcher`.
+What lives where: this class is the façade the manager, the restorer and the tests use; the snapshot write path
+(slot chosen, written, committed, or skipped with a durable save instead) is
+:class:`.snapshot_writer.SnapshotWriter`; the capacity check is :func:`ckptfmt.tier.capacity.agree_capacity`, the
+restore side (whose slots, candidates, the agreed restore) :class:`ckptfmt.tier.candidates.RunSlots`, the durable
+copies :class:`.persist_queue.PersistQueue`, replica rounds :class:`.replica_rounds.ReplicaRounds`, the SIGTERM
+thread :class:`.signal_watcher.SignalWatcher`.
 
-Threads and locking: the trainer's thread calls the public methods; one snapshot writer thread (``_writer``) writes
-slots, starts replica rounds and runs spread persists; the persist queue's one thread copies one node's slots; the
+Threads and locking: the trainer's thread calls the public methods; the snapshot writer's one thread writes slots,
+starts replica rounds and runs spread persists; the persist queue's one thread copies one node's slots; the
 SIGTERM watcher and the replicator have threads of their own. ``_lock`` is the one lock: it guards rank 0's ring
 (:class:`~ckptfmt.tier.ring.RingPolicy`, load, pick, commit, hold, release, drop) and the persist queued behind the
-running one; the persist queue shares it (it is handed over at construction). Everything else the writer thread
-sets (``newest``, ``_files``, counters) is read by the trainer's thread only after ``wait_snapshot``; the step gate
-(:class:`~.engines.StepGate`) holds ``optimizer.step()`` until a snapshot's bytes are in its slot.
+running one; the snapshot writer and the persist queue share it (it is handed over at construction). Everything
+else the writer thread sets (``newest``, the files it wrote, counters) is read by the trainer's thread only after
+``wait_snapshot``; the step gate (:class:`~.engines.StepGate`) holds ``optimizer.step()`` until a snapshot's bytes
+are in its slot.
 """
 
 from __future__ import annotations
@@ -54,52 +57,31 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from ..collective import Collective, PeerChannel
-from ..decide import decide
-from ..errors import CheckpointError, MalformedMessageError, UsageError
-from ..manifest import FileRecord
+from ..errors import CheckpointError, UsageError
 from ..run import RunDirectory, checkpoint_name
-from ..storage.slot import SlotStore
-from ..tier import MemoryTier, SlotBinding, node_key, persist, run_identity
+from ..tier import MemoryTier, node_key, persist, run_identity
 from ..tier.agreed import AgreedRestore
-from ..tier.binding import normalize_run_url
 from ..tier.candidates import MemoryCandidate, RunSlots
 from ..tier.capacity import agree_capacity
 from ..tier.nodes import NodeMap
 from ..tier.persist import Persisted
 from ..tier.replica import Replicator
 from ..tier.ring import RingPolicy, SlotRef
-from ..tier.votes import as_error, is_int
-from ..writer import CheckpointWriter
-from . import state
-from .engines import StepGate
-from .persist_queue import PersistQueue
+from .persist_queue import CopySlot, PersistQueue
 from .replica_rounds import ReplicaRounds
 from .signal_watcher import SignalWatcher
-from .state import HostBuffers, Snapshot
+from .snapshot_writer import SnapshotWriter, state_bytes
+from .state import Snapshot
 
 log = logging.getLogger("ckptfmt")
 
 __all__ = ["MemoryCandidate", "MemorySnapshots", "state_bytes"]
-
-
-def _step_of(snap: Snapshot) -> int:
-    return int(snap.contexts.get("provenance", {}).get("step", 0))
-
-
-def state_bytes(snap: Snapshot) -> int:
-    """Tensor bytes this rank puts in a snapshot (deferred tensors at their live size)."""
-    total = sum(int(getattr(v, "nbytes", 0)) for named in snap.tensors.values() for v in named.values())
-    for _, _, tensor in snap.deferred:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
-    return total
 
 
 class MemorySnapshots:
@@ -119,6 +101,7 @@ class MemorySnapshots:
         channel: PeerChannel | None = None,
         write_durable: Callable[[int, Snapshot, CheckpointError | None], None] | None = None,
         close_timeout: float | None = None,
+        copy: CopySlot | None = None,
     ) -> None:
         if close_timeout is not None and close_timeout < 0:
             raise UsageError("close_timeout must be None (wait until done) or a number of seconds")
@@ -129,7 +112,6 @@ class MemorySnapshots:
         self.ring_slots = slots
         self.tier = MemoryTier(memory_dir, run.url, slots=slots + 1 if slots == 2 else slots)
         self.ring = RingPolicy(slot_count=self.tier.slot_count, ring_slots=slots)  # rank 0's is the one that picks
-        self.spare = False  # the memory directory has room for the spare slot (the capacity check, all ranks)
         self.collective = collective
         self.rank = collective.rank if collective is not None else 0
         self.node = node_key()
@@ -168,22 +150,7 @@ class MemorySnapshots:
             run_id=self.run_id,
             rank=self.rank,
         )
-        self._files: list[str] = []  # the files this rank wrote into the newest snapshot
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-memory")
-        self._inflight: Future[None] | None = None
         self._lock = threading.Lock()  # rank 0's ring, and the persist queued (shared with the persist queue)
-        self._gate = StepGate()  # holds optimizer.step() until a snapshot's bytes are in the slot
-        self._checked_capacity = False
-        self._recheck = False  # a snapshot failed: check the capacity again before the next one
-        self.write_durable = write_durable
-        self._writing: int | None = None  # the slot of the snapshot being written
-        self._refused: CheckpointError | None = None  # why this snapshot's copies are not to be written anywhere
-        self.buffers = HostBuffers(pinned=True) if torch.cuda.is_available() else None
-        self.newest: SlotRef | None = None  # the newest commit
-        self.snapshots = 0
-        self.skipped = 0  # snapshots not taken: no slot could be written (MEM-2), or their write failed
-        self.failed = 0  # of those, the ones whose write failed (every rank counts the same)
-        self.capture_seconds = 0.0  # the trainer's thread, in snapshot()
         # ``persist`` looked up here, at construction: what copies a slot into the run directory
         self.persist_queue = PersistQueue(
             self.tier,
@@ -191,7 +158,7 @@ class MemorySnapshots:
             lock=self._lock,
             ring=self.ring,
             loaded_ring=self._ring,
-            copy=persist,
+            copy=copy if copy is not None else persist,  # default: byte for byte (MEM-7)
             collective=collective,
             rank=self.rank,
             persist_duty=persist_duty,
@@ -199,7 +166,70 @@ class MemorySnapshots:
             on_persisted=on_persisted,
             close_timeout=close_timeout,
         )
+        self._snapshots = SnapshotWriter(
+            self.tier,
+            run,
+            collective=collective,
+            rank=self.rank,
+            world_size=self.world_size,
+            nodes=self.nodes,
+            node=self.node,
+            run_id=self.run_id,
+            lock=self._lock,
+            ring=self.ring,
+            loaded_ring=self._ring,
+            queue=self.persist_queue,
+            rounds=self._rounds,
+            check_capacity=lambda per_rank: self.check_capacity(per_rank),  # looked up per call (tests patch it)
+            write_durable=write_durable,
+        )
         self._watcher = SignalWatcher(self.persist_newest)
+
+    # ---------------------------------------------------------------- what the snapshot writer knows
+
+    @property
+    def newest(self) -> SlotRef | None:
+        """The newest committed snapshot (read on the trainer's thread after :meth:`wait_snapshot`)."""
+        return self._snapshots.newest
+
+    @property
+    def spare(self) -> bool:
+        """The memory directory has room for the spare slot (the capacity check, the same on every rank)."""
+        return self._snapshots.spare
+
+    @property
+    def _recheck(self) -> bool:
+        """A snapshot failed: the capacity is checked again before the next one."""
+        return self._snapshots.recheck
+
+    @_recheck.setter
+    def _recheck(self, value: bool) -> None:
+        self._snapshots.recheck = value
+
+    @property
+    def snapshots(self) -> int:
+        """Snapshots started."""
+        return self._snapshots.snapshots
+
+    @property
+    def skipped(self) -> int:
+        """Snapshots not taken: no slot could be written (MEM-2), or their write failed."""
+        return self._snapshots.skipped
+
+    @property
+    def failed(self) -> int:
+        """Of the snapshots skipped, those whose write failed (every rank counts the same)."""
+        return self._snapshots.failed
+
+    @property
+    def capture_seconds(self) -> float:
+        """Time the trainer's thread spent in :meth:`snapshot`."""
+        return self._snapshots.capture_seconds
+
+    @property
+    def held_seconds(self) -> float:
+        """Total time optimizer.step() waited for a snapshot's bytes."""
+        return self._snapshots.held_seconds
 
     # ---------------------------------------------------------------- what the persist queue knows
 
@@ -231,7 +261,7 @@ class MemorySnapshots:
     def check_capacity(self, per_rank: int) -> None:
         """Refuse slots that would not fit the memory directory (all ranks raise the same error); find whether the
         spare slot fits too (``self.spare``, the same on every rank): :func:`~ckptfmt.tier.capacity.agree_capacity`."""
-        self.spare = agree_capacity(
+        self._snapshots.spare = agree_capacity(
             self.collective,
             per_rank,
             tier=self.tier,
@@ -243,8 +273,8 @@ class MemorySnapshots:
             world_size=self.world_size,
             replicas=self.replicator is not None,
         )
-        self._checked_capacity = True
-        self._recheck = False
+        self._snapshots.checked_capacity = True
+        self._snapshots.recheck = False
 
     # ---------------------------------------------------------------- restore
 
@@ -268,7 +298,7 @@ class MemorySnapshots:
             # that snapshot whole, so none is adopted or persisted; every slot holding a newer step is dropped
             slot = None
         if candidate is not None and slot is not None:
-            self.newest = SlotRef(slot, candidate.step, candidate.checkpoint_id)
+            self._snapshots.newest = SlotRef(slot, candidate.step, candidate.checkpoint_id)
         if self.rank != 0:
             return
         with self._lock:
@@ -280,8 +310,9 @@ class MemorySnapshots:
             self.persist_queue.submit(slot)
             return
         self.persist_queue.made_durable(candidate.step)
-        # (a durable copy made with a codec has an id of its own: that the step is there is enough)
-        if durable != candidate.checkpoint_id and self.codec is None:
+        # (a durable copy re-written, with a codec or references, has an id of its own: that the step is there is
+        # enough)
+        if durable != candidate.checkpoint_id and self.persist_queue.copies_keep_ids:
             log.warning(
                 "%s holds another checkpoint of step %d: the restored memory snapshot was not persisted there",
                 self.run.child_url(checkpoint_name(candidate.step)),
@@ -292,33 +323,9 @@ class MemorySnapshots:
 
     def snapshot(self, snap: Snapshot, optimizer: torch.optim.Optimizer, *, persist: bool) -> None:
         """Write ``snap`` (captured with ``defer=True``) into the next slot in the background; persist it
-        afterwards when ``persist``. Waits for the previous snapshot first, raising its failure."""
-        started = time.perf_counter()
-        self.raise_background_error()  # a failed durable save is raised here, as an async save's is
-        self.wait_snapshot()
-        if not self._checked_capacity:
-            self.check_capacity(state_bytes(snap))  # before the first snapshot: a refusal is the caller's
-        elif self._recheck:
-            try:
-                self.check_capacity(state_bytes(snap))
-            except CheckpointError as exc:  # decided together: every rank skips this snapshot
-                self._not_taken(_step_of(snap), f"the memory directory has no room for it: {exc}", failed=False)
-                if persist:  # on this thread, written before it returns
-                    self._refused = None
-                    self._durable_instead(_step_of(snap), snap)
-                self.capture_seconds += time.perf_counter() - started
-                return
-        self._gate.close_on(optimizer)
-        if self.buffers is not None and torch.cuda.is_available():
-            self.buffers.source_stream = torch.cuda.current_stream()
-        self._inflight = self._writer.submit(self._write, snap, persist)
-        self.snapshots += 1
-        self.capture_seconds += time.perf_counter() - started
-
-    @property
-    def held_seconds(self) -> float:
-        """Total time optimizer.step() waited for a snapshot's bytes."""
-        return self._gate.held_seconds
+        afterwards when ``persist``. Waits for the previous snapshot first, raising its failure
+        (:meth:`.snapshot_writer.SnapshotWriter.snapshot`)."""
+        self._snapshots.snapshot(snap, optimizer, persist=persist)
 
     def _ring(self) -> RingPolicy:
         """Rank 0's ring, loaded from the slots on first use (under _lock)."""
@@ -326,170 +333,11 @@ class MemorySnapshots:
             self.ring.load({s.index: self.run_slots.own_step(s) for s in self.tier.slots()})
         return self.ring
 
-    def _pick_slot(self) -> int:
-        """Rank 0: the slot the next snapshot goes to, or -1 when none may be written (MEM-2, :class:`RingPolicy`)."""
-        with self._lock:
-            index = self._ring().pick(newest=self.newest.slot if self.newest is not None else None, spare=self.spare)
-        return -1 if index is None else index
-
-    def _choose_slot(self, step: int) -> int:
-        """Every rank: the slot rank 0 picked for the snapshot of ``step`` (-1: none may be written)."""
-        index = decide(
-            self.collective, None, lambda _: self._pick_slot(), what=f"the memory slot of step {step}", max_size=64
-        )
-        if not is_int(index) or not -1 <= index < self.tier.slot_count:
-            raise MalformedMessageError(f"rank 0 chose memory slot {str(index)[:40]} for step {step}")
-        return int(index)
-
-    def _write(self, snap: Snapshot, persist: bool) -> None:
-        """The background half of :meth:`snapshot`: the slot written and committed (every rank together), then its
-        replica round and durable copy. A snapshot that fails is skipped on every rank (the writer's commit and
-        :func:`~ckptfmt.decide.decide` make every rank learn one failure); its durable save, if one is due, is
-        written from the same state straight to the run directory."""
-        step = _step_of(snap)
-        # What staging changes in the snapshot, for a durable save staged again from it: rank 0's rng becomes every
-        # rank's, and the views' version counters are checked once (a torn state must fail that save too).
-        contexts, sources = dict(snap.contexts), list(snap.sources)
-        # Views of CPU tensors hold this step's state only while the next optimizer.step() is held: a durable save
-        # due now keeps it held until the snapshot's outcome is known, so that it can be written instead.
-        hold = persist and self.buffers is None
-        self._refused = None
-        self._writing = None
-        committed: tuple[int, dict[int, tuple[FileRecord, ...]]] | None = None
-        try:
-            try:
-                committed = self._write_slot(snap, step, release=not hold)
-            except Exception as exc:  # every rank learnt it (the writer's commit, decide): all skip this snapshot
-                if not isinstance(exc, CheckpointError | OSError):
-                    log.error("memory snapshot of step %d: unexpected failure", step, exc_info=exc)
-                if self._writing is not None:
-                    self.ring.failed(self._writing)
-                self._not_taken(step, f"{type(exc).__name__}: {exc}", failed=True)
-            if committed is None and persist:
-                snap.contexts.clear()
-                snap.contexts.update(contexts)
-                if self.buffers is None:
-                    snap.sources[:] = sources
-                self._durable_instead(step, snap)
-        finally:
-            self._gate.open()  # even on failure: never leave the trainer's optimizer blocked
-        if committed is None:
-            return
-        slot, local = committed
-        if self._rounds is not None:
-            self._rounds.start(slot, step, local, self._files)
-        if self.nodes.multi_node:
-            if persist:
-                self.persist_queue.spread(slot, self._files)
-        elif self.rank == 0 and persist:
-            self.persist_queue.submit(slot)
-
-    def _write_slot(
-        self, snap: Snapshot, step: int, *, release: bool
-    ) -> tuple[int, dict[int, tuple[FileRecord, ...]]] | None:
-        """Write and commit ``snap`` into the slot rank 0 picks: (slot, local replicas), or None when no slot may be
-        written. Any failure is every rank's (raised on each). ``release``: let the trainer's next step run once
-        the bytes are in the slot, before the commit. Otherwise, and on a failure or a skip, the caller releases it,
-        after a durable save written instead has taken this step's state."""
-        slot = self._choose_slot(step)
-        if slot < 0:
-            self._not_taken(
-                step,
-                "no slot may be rewritten: one is being persisted and the other holds the newest snapshot "
-                "(spec/memory.md MEM-2)",
-                failed=False,
-            )
-            return None
-        self._writing = slot
-        # this rank's part before the collective writer starts: a failure here is decided on together, so that
-        # no rank starts a writer that the others never join
-        problem: CheckpointError | None = None
-        path = ""
-        copying = False
-        try:
-            path = self.tier.writable_slot(slot)
-            copying = True
-            snap.materialize(self.buffers)
-        except Exception as exc:
-            problem = as_error(exc, self.rank)
-            if copying and not snap.deferred:
-                self._refused = problem  # copies made but not to be trusted (a source changed meanwhile)
-        decide(self.collective, problem, lambda _: None, what=f"the memory snapshot of step {step}", max_size=1 << 20)
-        spread = self.nodes.multi_node
-        binding = SlotBinding(
-            run_id=self.run_id,
-            run_dir=normalize_run_url(self.run.url),
-            node=self.node,
-            world_size=self.world_size,
-            step=step,
-            nodes=self.nodes.nodes if spread else (),
-        )
-        writer = CheckpointWriter(
-            SlotStore(path),
-            profile="training",
-            overwrite=True,
-            collective=self.collective,
-            metadata=binding.to_metadata(),
-            store_of_rank=self.nodes.store_of_rank() if spread else None,
-        )
-        state.stage_snapshot(writer, snap)
-        try:
-            writer.flush()
-        except BaseException:
-            writer.abort()
-            raise
-        local = self._rounds.write_local(snap) if self._rounds is not None else {}
-        if release:
-            self._gate.open()
-        ckpt_id = writer.commit()
-        self._files = [f.path for f in writer.result().files]
-        self.newest = SlotRef(slot, step, ckpt_id)
-        self.ring.succeeded(slot)
-        if self.rank == 0:
-            with self._lock:
-                self._ring().committed(slot, step)
-        return slot, local
-
-    def _not_taken(self, step: int, why: str, *, failed: bool) -> None:
-        """Count and say that the snapshot of ``step`` was not taken (every rank, together); after a failed one the
-        capacity is checked again before the next (a full tmpfs may have drained, or filled for good)."""
-        self.skipped += 1
-        if failed:
-            self.failed += 1
-            self._recheck = True
-        held = f"step {self.newest.step}" if self.newest is not None else "none"
-        log.warning(
-            "memory snapshot of step %d skipped: %s; the newest snapshot in memory is %s, and training goes on",
-            step,
-            why,
-            held,
-        )
-
-    def _durable_instead(self, step: int, snap: Snapshot) -> None:
-        """A durable save due at ``step``, whose memory snapshot was not taken: the same state written straight to
-        the run directory by the caller's ``write_durable`` (every rank together; a rank whose state could not be
-        taken makes that save fail for all). Its failure is raised, as a failed durable save's is."""
-        if self.write_durable is None:
-            log.warning("durable save of step %d not made: its memory snapshot was not taken", step)
-            return
-        problem = self._refused
-        if problem is None and snap.deferred:
-            try:
-                snap.materialize(self.buffers)
-            except Exception as exc:
-                problem = as_error(exc, self.rank)
-        self.write_durable(step, snap, problem)
-        self.persist_queue.made_durable(step)
-        log.warning(
-            "durable save of step %d written straight to %s, as its memory snapshot was not taken", step, self.run.url
-        )
-
     def persist_slot(self, slot: int) -> None:
         """Persist the committed snapshot in ``slot`` in the background (one node: rank 0, the others have nothing
         to do; several: every rank copies its own files, so every rank calls this)."""
         if self.nodes.multi_node:
-            self.wait_snapshot()
-            self._inflight = self._writer.submit(self.persist_queue.spread, slot, self._files)
+            self._snapshots.spread_later(slot)
         elif self.rank == 0:
             self.persist_queue.submit(slot)
 
@@ -497,9 +345,7 @@ class MemorySnapshots:
 
     def wait_snapshot(self) -> None:
         """Block until the snapshot in flight is committed; raise its failure."""
-        future, self._inflight = self._inflight, None
-        if future is not None:
-            future.result()
+        self._snapshots.wait_snapshot()
 
     def wait_replica(self) -> None:
         """Block until this rank's part of the replica round in flight is done (its failures are logged)."""
@@ -513,11 +359,7 @@ class MemorySnapshots:
         return self.persist_queue.wait()
 
     def raise_background_error(self) -> None:
-        if self._inflight is not None and self._inflight.done():
-            self.wait_snapshot()
-        if self.persist_queue.any_failed():
-            self.wait()
-        self.persist_queue.forget_done()
+        self._snapshots.raise_background_error()
 
     def persist_newest(self) -> Persisted | None:
         """Persist the newest committed snapshot now, unthrottled, on the calling thread (SIGTERM); None when
@@ -540,15 +382,15 @@ class MemorySnapshots:
             newest, durable = self.newest, self.durable_step
             if persist and newest is not None and (durable is None or durable < newest.step):
                 if self.nodes.multi_node:  # every rank copies its own files, together
-                    self._writer.submit(self.persist_queue.spread, newest.slot, self._files).result()
+                    self._snapshots.spread_now(newest.slot)
                 else:
                     self.persist_newest()
         finally:
             if self.replicator is not None:
                 self.replicator.close()
-            self._writer.shutdown()
+            self._snapshots.shutdown()
             self.persist_queue.shutdown()
-            self._gate.remove()
+            self._snapshots.remove_gate()
             self.stop_watcher()
 
     # ---------------------------------------------------------------- SIGTERM while blocked

@@ -4,6 +4,12 @@ It wraps :class:`~ckptfmt.torch.memory.MemorySnapshots` (slots, persists, replic
 the capture, the process groups of its own, retention after each persist. A durable save that falls due at a step
 whose snapshot could not be taken is written straight to the run directory by a :class:`DurableEngine` (sync,
 full), over the memory tier's own process group.
+
+A persist copies the slot byte for byte (re-encoded with ``codec``); with ``incremental=True`` it re-writes the
+snapshot referencing the chunks of the previous durable save that are unchanged
+(:class:`~ckptfmt.tier.persist_incremental.IncrementalPersist`, ``full_every`` and ``frozen`` as for a direct save).
+That is one node's persist: a job whose snapshots span several nodes persists them from every node at once, by
+copying, so ``incremental=True`` there is refused at construction.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import signal
 from datetime import timedelta
 
 from ..collective import Collective, PeerChannel
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..run import RunDirectory, checkpoint_name
 from ..tier.persist import Persisted
+from ..tier.persist_incremental import IncrementalPersist
 from ..tier.replica import RoundResult
 from . import api
 from .durable import DurableEngine
@@ -36,12 +43,15 @@ class MemoryEngine:
         run: RunDirectory,
         *,
         options: MemoryOptions,
-        codec: str | None,
+        codec: str | None = None,
+        durable: DurableOptions | None = None,
         lineage: Lineage,
         retention: RetentionOptions,
         collective: Collective | None,
         process_group: object,
     ) -> None:
+        if durable is not None:  # the manager's durable options: the codec, and how a persist references a base
+            codec = durable.codec
         self.run = run
         self.options = options
         self.lineage = lineage
@@ -71,7 +81,20 @@ class MemoryEngine:
             channel=channel,
             write_durable=self._write_durable,
             close_timeout=options.close_timeout,
+            copy=(
+                IncrementalPersist(full_every=durable.full_every, frozen=durable.frozen)
+                if durable is not None and durable.incremental
+                else None
+            ),
         )
+        if durable is not None and durable.incremental and self.snapshots.nodes.multi_node:
+            # (every rank sees the same nodes: every rank refuses)
+            self.snapshots.close(persist=False)
+            raise UsageError(
+                "incremental=True cannot be combined with memory_every= on several nodes: a snapshot spread over "
+                "several nodes' memory is persisted from every node at once, as a copy; give incremental=True on "
+                "one node, or not at all"
+            )
 
     @property
     def held_seconds(self) -> float:

@@ -120,24 +120,13 @@ class RestoreOptions:
 
 def check_combination(durable: DurableOptions, memory: MemoryOptions) -> None:
     """Refuse what the memory tier cannot honour: its durable saves are copies of memory slots, written in the
-    background already, byte for byte (re-encoded with ``codec`` where one is given)."""
-    if not memory.on:
-        return
-    refused = [
-        name
-        for name, on in (
-            ("async_save=True", durable.async_save),
-            ("incremental=True", durable.incremental),
-            ("frozen=", bool(durable.frozen)),
-            ("full_every=", durable.full_every != 10),
-        )
-        if on
-    ]
-    if refused:
+    background already (re-encoded with ``codec`` where one is given; with ``incremental``, re-written referencing
+    the previous durable save, ``full_every`` and ``frozen`` as for a direct save). ``incremental`` on several
+    nodes is refused where the nodes are known (:class:`~.memory_engine.MemoryEngine`)."""
+    if memory.on and durable.async_save:
         raise UsageError(
-            f"{', '.join(refused)} cannot be combined with memory_every=: with the memory tier every snapshot is "
-            "written in the background already, and a durable save is a whole copy of a memory slot (not a save "
-            "that references the previous one); give either the memory tier or these options"
+            "async_save=True cannot be combined with memory_every=: with the memory tier every snapshot is "
+            "written in the background already; give either the memory tier or async_save"
         )
 
 

@@ -31,13 +31,15 @@ from ..errors import CheckpointExistsError
 from ..run import RunDirectory
 from ..tier import MemoryTier, Throttle
 from ..tier.persist import Persisted, lower_thread_priority, persist_spread
+from ..tier.persist_incremental import IncrementalPersist
 from ..tier.ring import RingPolicy
 
 log = logging.getLogger("ckptfmt")
 
 
 class CopySlot(Protocol):
-    """How one node's committed slot is copied into the run directory (:func:`ckptfmt.tier.persist`)."""
+    """How one node's committed slot is copied into the run directory (:func:`ckptfmt.tier.persist`, byte for byte;
+    :class:`~ckptfmt.tier.persist_incremental.IncrementalPersist`, referencing the previous durable save)."""
 
     def __call__(self, source: str, run: RunDirectory, *, throttle: Throttle, codec: str | None) -> Persisted: ...
 
@@ -103,6 +105,12 @@ class PersistQueue:
         self.deadline: float | None = None  # time.monotonic() after which close() abandons a copy
         self.durable_step: int | None = None  # the newest step made durable by this process
         self.last_persisted: Persisted | None = None
+
+    @property
+    def copies_keep_ids(self) -> bool:
+        """Durable copies are the snapshots, byte for byte, with their checkpoint ids (MEM-7): no codec re-encodes
+        them and no incremental persist re-writes them (those have ids of their own, MEM-7)."""
+        return self.codec in (None, "raw") and not isinstance(self._copy, IncrementalPersist)
 
     def made_durable(self, step: int) -> None:
         self.durable_step = max(self.durable_step or -1, step)
