@@ -29,11 +29,6 @@ FACE_USERS = (
     "ckptfmt.convert",
     "ckptfmt.integrations",
 )
-# The one circle left, on purpose for now: the codec registry (codecs/__init__.py) imports its codecs at its end
-# to register them, and each codec takes the interface (CodecOptions, Encoded, FrameSpan) from the package.
-# Moving the interface into a module of its own (codecs/base.py) would open it; until then it is named here,
-# and test_known_circles_are_still_circles drops it from this list the day it is gone.
-KNOWN_CIRCLES = [["ckptfmt.codecs", "ckptfmt.codecs.raw", "ckptfmt.codecs.zstd"]]
 
 
 def _imports(path: Path) -> set[str]:
@@ -136,13 +131,7 @@ def face_importers(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_import_graph_of_ckptfmt_has_no_circle() -> None:
-    found = circles(import_graph(PACKAGE))
-    assert [c for c in found if c not in KNOWN_CIRCLES] == [], "import circles in ckptfmt/ (see this module's doc)"
-
-
-def test_known_circles_are_still_circles() -> None:
-    found = circles(import_graph(PACKAGE))
-    assert [c for c in KNOWN_CIRCLES if c not in found] == [], "a known circle is gone: remove it from KNOWN_CIRCLES"
+    assert circles(import_graph(PACKAGE)) == [], "import circles in ckptfmt/ (see this module's doc)"
 
 
 def test_nothing_below_the_package_face_imports_it() -> None:

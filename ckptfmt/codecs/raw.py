@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import IntegrityError, UsageError
 from ..manifest import RAW, Codec
-from . import CodecOptions, Encoded, FrameSpan
+from .base import CodecOptions, Encoded, FrameSpan
 
 
 class RawCodec:

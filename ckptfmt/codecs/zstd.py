@@ -27,7 +27,7 @@ import zstandard
 
 from ..errors import IntegrityError, ManifestError, UsageError
 from ..manifest import Codec
-from . import CodecOptions, Encoded, FrameSpan
+from .base import CodecOptions, Encoded, FrameSpan
 
 NAME = "zstd"
 FRAME_BYTES = 4 << 20  # raw bytes per frame: the granularity of random access
