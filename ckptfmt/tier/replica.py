@@ -58,6 +58,20 @@ class RoundResult:
     committed: tuple[int, ...] = ()  # sources whose copy this rank committed
 
 
+@dataclass(frozen=True, slots=True)
+class RoundInFlight:
+    """This rank's part of one replica round while it runs: its send to the partner and its receives from its
+    sources, for the snapshot of ``step``."""
+
+    round_no: int
+    step: int
+    sending: Future[int]
+    receiving: list[Future[int]]
+
+    def done(self) -> bool:
+        return self.sending.done() and all(f.done() for f in self.receiving)
+
+
 class Replicator:
     """One rank's side of replication over ``channel`` (its own process group: rounds run beside training)."""
 
@@ -68,7 +82,7 @@ class Replicator:
         self.partner = nodes.partners().get(rank)
         self.sources = nodes.sources_of(rank)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfmt-replica")
-        self._round: tuple[int, int, Future[int], list[Future[int]]] | None = None
+        self._round: RoundInFlight | None = None
         self._lock = threading.Lock()
         self.rounds = 0
         self.skipped = 0  # snapshots not replicated: the previous round was still running (every rank alike)
@@ -82,7 +96,7 @@ class Replicator:
     def busy(self) -> bool:
         """Whether this rank's part of the last round is still running."""
         current = self._round
-        return current is not None and not (current[2].done() and all(f.done() for f in current[3]))
+        return current is not None and not current.done()
 
     def start(
         self,
@@ -108,7 +122,7 @@ class Replicator:
             self._pool.submit(self._receive, tag, src, round_no, manifest_bytes, local.get(src, ()))
             for src in self.sources
         ]
-        self._round = (round_no, step, sending, receiving)
+        self._round = RoundInFlight(round_no, step, sending, receiving)
         self.rounds += 1
 
     def _settle(self, round_no: int, step: int, sending: Future[int], receiving: list[Future[int]]) -> None:
@@ -219,13 +233,12 @@ class Replicator:
         replica is a second copy: losing one costs protection against a node loss, not the run)."""
         current = self._round
         if current is not None:
-            round_no, step, sending, receiving = current
-            for future in (sending, *receiving):
+            for future in (current.sending, *current.receiving):
                 try:
                     future.result()
                 except Exception:
                     pass
-            self._settle(round_no, step, sending, receiving)
+            self._settle(current.round_no, current.step, current.sending, current.receiving)
         return self.last
 
     def close(self) -> None:
