@@ -14,6 +14,7 @@ A base chunk that is itself a reference is referenced where it is stored (REF-9:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 ChunkKey = tuple[str, str, Shape]  # (field, tensor, offsets)
 RawDigests = tuple[str, Mapping[ChunkKey, str]]  # (checkpoint id, raw digest of each encoded chunk)
+log = logging.getLogger("ckptfmt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,12 @@ class ReferenceStats:
     bytes: int = 0
     hashed_bytes: int = 0  # bytes hashed to compare with the base (frozen tensors are not hashed)
     files: dict[tuple[str, str], BaseFile] = field(default_factory=dict)  # (location, path) -> record
+
+
+def log_referenced(name: str, base: str | None, stats: ReferenceStats | None) -> None:
+    """Log what the save of ``name`` referenced in ``base`` instead of writing (nothing without a base)."""
+    if stats is not None:
+        log.info("%s: %d bytes referenced in %s (%d chunks), not written", name, stats.bytes, base, stats.chunks)
 
 
 class BaseIndex:

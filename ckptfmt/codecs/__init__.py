@@ -94,16 +94,3 @@ __all__ = [
     "register",
     "writer_codec",
 ]
-
-__all__ = [
-    "ChunkCodec",
-    "CodecConfiguration",
-    "CodecOptions",
-    "Encoded",
-    "FrameSpan",
-    "WriteCodec",
-    "get_codec",
-    "known_codecs",
-    "register",
-    "writer_codec",
-]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -274,6 +274,34 @@ def refuse_existing(loc: Location, names: list[str], overwrite: bool) -> None:
 def converted_from(fmt: str, url: str, **extra: object) -> dict[str, object]:
     """The provenance of a converted checkpoint: only what the tool knows (the writer adds who and when)."""
     return {"converted_from": {"format": fmt, "url": url, **extra}}
+
+
+def importer(fmt: str, convert: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
+    """The import of ``fmt`` as the registry calls it, ``import_FMT(src, dst, *, storage_options=None,
+    overwrite=False, target_file_size=None, progress=None)``: the source located, then ``convert(location, dst,
+    storage_options=, overwrite=, target_file_size=, progress=)`` (a progress that reports nothing by default)."""
+
+    def run(
+        src: str,
+        dst: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        target_file_size: int | None = None,
+        progress: Progress | None = None,
+    ) -> ConvertResult:
+        return convert(
+            locate(src, storage_options),
+            dst,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            target_file_size=target_file_size,
+            progress=progress or NoProgress(),
+        )
+
+    run.__name__ = run.__qualname__ = f"import_{fmt.replace('-', '_')}"
+    run.__doc__ = f"Import the {fmt} source at ``src`` as a ckptfmt checkpoint at ``dst``."
+    return run
 
 
 def writer_options(

@@ -32,7 +32,7 @@ from typing import Protocol
 from ..errors import StorageError, UnsafePathError
 from ..storage.base import split_path
 from ..storage.direct import write_all
-from ..storage.local import LocalStore, kind_of, open_dir_below, scan_dir, walk_to_parent
+from ..storage.local import LocalStore, kind_of, open_dir_below, scan_dir, unlink_if_present, walk_to_parent
 from .base import Location, fs_call, refuse_existing, refuse_links
 
 _STAGING_PREFIX = ".export-staging-"  # the fresh directory a DCP export is written into (staged_directory)
@@ -155,10 +155,7 @@ class _ReplacingFile:
             os.close(self._fd)
             self._fd = None
         if self._dir_fd is not None:
-            try:
-                os.unlink(self._tmp, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
+            unlink_if_present(self._tmp, self._dir_fd)
             os.close(self._dir_fd)
             self._dir_fd = None
 

@@ -50,9 +50,9 @@ from .training import (
     LazySafetensors,
     TrainingSource,
     field_source,
-    import_training,
     optimizer_states,
     read_contexts,
+    training_importer,
     write_files,
 )
 from .training_args import TRAINING_ARGS, optimizer_class, read_training_args
@@ -105,30 +105,6 @@ def _state_dict(loc: Location) -> dict[str, Any]:
     if not isinstance(obj, Mapping) or not all(is_tensor(v) for v in obj.values()):
         raise SourceFormatError("expected a flat dict of tensors (a model state dict)", path=loc.url)
     return {str(k): v for k, v in obj.items()}
-
-
-def import_hf_trainer(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    """Import a Trainer ``checkpoint-N/`` directory as a training-profile checkpoint."""
-    loc = locate(src, storage_options)
-    return import_training(
-        "hf-trainer",
-        "Trainer",
-        loc.url,
-        read_hf_trainer(loc),
-        dst,
-        storage_options=storage_options,
-        overwrite=overwrite,
-        target_file_size=target_file_size,
-        progress=progress or NoProgress(),
-    )
 
 
 def read_hf_trainer(loc: Location) -> TrainingSource:
@@ -257,6 +233,10 @@ def read_hf_trainer(loc: Location) -> TrainingSource:
         notes=notes,
         step=step,
     )
+
+
+import_hf_trainer = training_importer("hf-trainer", "Trainer", read_hf_trainer)
+import_hf_trainer.__doc__ = "Import a Trainer ``checkpoint-N/`` directory as a training-profile checkpoint."
 
 
 # ---------------------------------------------------------------- export

@@ -36,11 +36,11 @@ from ..canonical import config_hash
 from ..errors import CheckpointError, SourceFormatError, UsageError
 from ..fields import check_config
 from . import torch_pt
-from .base import ConvertResult, NoProgress, Progress, fs_call, locate, refuse_existing
+from .base import ConvertResult, Location, NoProgress, Progress, fs_call, locate, refuse_existing
 from .destination import check_name, write_output
 from .optimizer import join_optimizers, split_optimizers
 from .torch_files import save_torch
-from .training import TrainingSource, field_source, import_training
+from .training import TrainingSource, field_source, training_importer
 
 _TENSOR, _TUPLE, _ITEMS = "$tensor", "$tuple", "$items"
 _SPLIT = ("state_dict", "optimizer_states")
@@ -255,17 +255,8 @@ def _aliases(context: Mapping[str, Any]) -> dict[str, str]:
     return {str(k): v for k, v in found.items()}
 
 
-def import_lightning(
-    src: str,
-    dst: str,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    """Import a Lightning ``.ckpt`` file as a training-profile checkpoint."""
-    loc = locate(src, storage_options)
+def read_lightning(loc: Location) -> TrainingSource:
+    """What a Lightning ``.ckpt`` file holds for each field, and where each came from."""
     if not fs_call(loc.url, loc.fs.isfile, loc.path):
         raise SourceFormatError("a Lightning checkpoint is a single .ckpt file", path=loc.url)
     fields = split_checkpoint(torch_pt.load(loc), loc.url)
@@ -276,7 +267,7 @@ def import_lightning(
     fields.missing["rng"] = "Lightning saves no RNG state (the ckptfmt CheckpointIO plugin records it)"
     fields.missing["topology"] = "Lightning saves no world size or devices: one process is assumed"
     step = fields.contexts["data"]["lightning"].get("global_step")
-    source = TrainingSource(
+    return TrainingSource(
         weights=fields.weights,
         optimizer=fields.optimizer,
         optimizer_context=fields.optimizer_context,
@@ -286,17 +277,10 @@ def import_lightning(
         missing=fields.missing,
         step=step if type(step) is int else None,
     )
-    return import_training(
-        "lightning",
-        "Lightning",
-        loc.url,
-        source,
-        dst,
-        storage_options=storage_options,
-        overwrite=overwrite,
-        target_file_size=target_file_size,
-        progress=progress or NoProgress(),
-    )
+
+
+import_lightning = training_importer("lightning", "Lightning", read_lightning)
+import_lightning.__doc__ = "Import a Lightning ``.ckpt`` file as a training-profile checkpoint."
 
 
 def export_lightning(

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from .base import ConvertResult, NoProgress, Progress
+
+if TYPE_CHECKING:
+    from ..reader import Checkpoint
 
 
 def reencode(
@@ -59,14 +62,19 @@ def reencode(
                     progress.advance(tensor.nbytes)
                 if record.context is not None and fname != "provenance":
                     writer.write_context(fname, ckpt.read_context(fname))
-            provenance = dict(ckpt.read_context("provenance")) if "provenance" in manifest.fields else {}
-            provenance["converted_from"] = {
-                "format": "ckptfmt",
-                "url": ckpt.url,
-                "checkpoint_id": ckpt.id,
-                "converted_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "converter": {"name": "ckptfmt", "version": __version__},
-            }
-            writer.write_context("provenance", provenance)
+            writer.write_context("provenance", reencoded_provenance(ckpt))
     result.checkpoint_id = writer.checkpoint_id
     return result
+
+
+def reencoded_provenance(ckpt: Checkpoint) -> dict[str, Any]:
+    """The provenance of a re-encoding of ``ckpt``: its own, with ``converted_from`` naming it and its checkpoint id."""
+    provenance = dict(ckpt.read_context("provenance")) if "provenance" in ckpt.manifest.fields else {}
+    provenance["converted_from"] = {
+        "format": "ckptfmt",
+        "url": ckpt.url,
+        "checkpoint_id": ckpt.id,
+        "converted_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "converter": {"name": "ckptfmt", "version": __version__},
+    }
+    return provenance

@@ -10,14 +10,14 @@ fields, and :func:`write_files` writes what it made.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import SourceFormatError
-from .base import ConvertResult, Location, Progress, converted_from, nbytes, read_range, writer_options
+from .base import ConvertResult, Location, Progress, converted_from, importer, nbytes, read_range, writer_options
 from .destination import write_output
 from .optimizer import join_optimizers
 
@@ -88,6 +88,16 @@ def import_training(
         target_file_size=target_file_size,
     )
     return result
+
+
+def training_importer(fmt: str, label: str, read: Callable[[Location], TrainingSource]) -> Callable[..., ConvertResult]:
+    """The import of ``fmt`` (its :class:`~ckptfmt.convert.formats.Format` reader): ``read`` the source located at
+    ``src``, then :func:`import_training` (``label`` names the format in the notes)."""
+
+    def convert(loc: Location, dst: str, **options: Any) -> ConvertResult:
+        return import_training(fmt, label, loc.url, read(loc), dst, **options)
+
+    return importer(fmt, convert)
 
 
 class LazySafetensors(Mapping[str, Any]):

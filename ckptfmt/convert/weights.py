@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import ConvertResult, Location, NoProgress, Progress, converted_from, locate, nbytes, writer_options
+from .base import ConvertResult, Location, Progress, converted_from, nbytes, writer_options
+from .base import importer as base_importer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,26 +105,9 @@ def import_weights(
 
 def importer(fmt: str, read: Callable[[Location], WeightsSource]) -> Callable[..., ConvertResult]:
     """The import of ``fmt`` (its :class:`~ckptfmt.convert.formats.Format` reader): ``read`` the source
-    located at ``src``, then :func:`import_weights`."""
+    located at ``src``, then :func:`import_weights` (:func:`~ckptfmt.convert.base.importer`)."""
 
-    def run(
-        src: str,
-        dst: str,
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        overwrite: bool = False,
-        target_file_size: int | None = None,
-        progress: Progress | None = None,
-    ) -> ConvertResult:
-        return import_weights(
-            fmt,
-            read(locate(src, storage_options)),
-            dst,
-            storage_options=storage_options,
-            overwrite=overwrite,
-            target_file_size=target_file_size,
-            progress=progress or NoProgress(),
-        )
+    def convert(loc: Location, dst: str, **options: Any) -> ConvertResult:
+        return import_weights(fmt, read(loc), dst, **options)
 
-    run.__name__ = run.__qualname__ = f"import_{fmt}"
-    return run
+    return base_importer(fmt, convert)

@@ -121,6 +121,14 @@ def _open_dir(dir_fd: int, name: str, path: str, *, create: bool = False) -> int
     raise StorageError(f"directory {name!r} keeps disappearing", path=path)
 
 
+def unlink_if_present(name: str, dir_fd: int) -> None:
+    """Remove the entry ``name`` of the directory open at ``dir_fd``; one already gone is no error."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
 def walk_to_parent(root: str, path: str, *, create: bool = False) -> tuple[int, str]:
     """(fd of the directory holding ``path``, owned by the caller; its last component), walked from
     ``root`` one directory at a time following nothing (making missing directories if asked)."""
@@ -437,10 +445,7 @@ class LocalOutput(OutputFile):
             os.close(self._fd)
             self._fd = None
         if self._dir_fd is not None:
-            try:
-                os.unlink(self._tmp, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
+            unlink_if_present(self._tmp, self._dir_fd)
             self._release()
 
     def _release(self) -> None:

@@ -41,13 +41,13 @@ def caused_by(exc: BaseException, test: Callable[[BaseException], bool]) -> bool
     return False
 
 
-class DirectOutput(OutputFile):
-    """Streams into the final name; the object store publishes it on close, discards on abort."""
+class _FsspecOutput(OutputFile):
+    """A file of an fsspec filesystem opened for writing at ``opened`` (for ``rel``); a write that fails aborts."""
 
-    def __init__(self, fs: Any, full: str, rel: str) -> None:
+    def __init__(self, fs: Any, opened: str, rel: str, **open_options: Any) -> None:
         self._rel = rel
         try:
-            self._file: Any = fs.open(full, "wb", block_size=PART_SIZE)
+            self._file: Any = fs.open(opened, "wb", **open_options)
         except Exception as exc:
             raise StorageError(f"cannot create: {exc}", path=rel) from exc
 
@@ -58,6 +58,13 @@ class DirectOutput(OutputFile):
         except Exception as exc:
             self.abort()
             raise StorageError(f"write failed: {exc}", path=self._rel) from exc
+
+
+class DirectOutput(_FsspecOutput):
+    """Streams into the final name; the object store publishes it on close, discards on abort."""
+
+    def __init__(self, fs: Any, full: str, rel: str) -> None:
+        super().__init__(fs, full, rel, block_size=PART_SIZE)
 
     def commit(self) -> None:
         assert self._file is not None, "commit after commit/abort"
@@ -79,27 +86,15 @@ class DirectOutput(OutputFile):
         file.closed = True  # never let close() (or the finalizer) publish what was written
 
 
-class RenameOutput(OutputFile):
+class RenameOutput(_FsspecOutput):
     """Writes under a hidden temp name, renames into place on commit."""
 
     def __init__(self, fs: Any, full: str, rel: str) -> None:
         self._fs = fs
         self._full = full
-        self._rel = rel
         head, _, name = full.rpartition("/")
         self._tmp = f"{head}/.{name}.tmp-{secrets.token_hex(6)}"
-        try:
-            self._file: Any = fs.open(self._tmp, "wb")
-        except Exception as exc:
-            raise StorageError(f"cannot create: {exc}", path=rel) from exc
-
-    def write(self, data: bytes | memoryview) -> None:
-        assert self._file is not None, "write after commit/abort"
-        try:
-            self._file.write(data)
-        except Exception as exc:
-            self.abort()
-            raise StorageError(f"write failed: {exc}", path=self._rel) from exc
+        super().__init__(fs, self._tmp, rel)
 
     def commit(self) -> None:
         assert self._file is not None, "commit after commit/abort"

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from ..errors import StorageError, UnsafePathError
 from .base import Capabilities, FileInfo, OutputFile
 from .direct import write_all
-from .local import IN_PLACE_MARKER, LocalOutput, LocalStore, walk_lstat, walk_to_parent
+from .local import IN_PLACE_MARKER, LocalOutput, LocalStore, unlink_if_present, walk_lstat, walk_to_parent
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -83,10 +83,7 @@ class InPlaceOutput(OutputFile):
 
     def abort(self) -> None:
         if self._fd is not None and self._dir_fd is not None:
-            try:
-                os.unlink(self._name, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
+            unlink_if_present(self._name, self._dir_fd)
         self._close()
 
     def _close(self) -> None:

@@ -167,25 +167,11 @@ def persist(
     dst = open_store(run.child_url(name), run.storage_options)
 
     def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
-        return Persisted(
-            source=src.url,
-            destination=dst.url,
-            name=name,
-            step=step,
-            checkpoint_id=ckpt_id,
-            status=status,
-            bytes=nbytes,
-            seconds=time.perf_counter() - started,
-        )
+        return persisted_since(started, src, dst.url, name, step, ckpt_id, status, nbytes)
 
-    existing = existing_id(dst)
-    if existing is not None:
-        return outcome("already durable" if existing == ckpt_id else "conflict")
-    try:
-        committer = Committer(dst)
-    except CheckpointExistsError:  # committed (or being written) by another process since the look above
-        existing = existing_id(dst)
-        return outcome("already durable" if existing == ckpt_id else "conflict")
+    committer = claim_destination(dst, ckpt_id)
+    if not isinstance(committer, Committer):
+        return outcome(committer)
     written: list[str] = []
     try:
         for record in manifest.files:
@@ -242,6 +228,42 @@ def existing_id(store: Store) -> str | None:
         return None
 
 
+def persisted_since(
+    started: float,
+    src: Store,
+    destination: str,
+    name: str,
+    step: int,
+    ckpt_id: str,
+    status: PersistStatus,
+    nbytes: int = 0,
+) -> Persisted:
+    """What a persist of ``src`` into ``destination`` did, its seconds counted from ``started`` (a
+    ``time.perf_counter()`` reading)."""
+    return Persisted(
+        source=src.url,
+        destination=destination,
+        name=name,
+        step=step,
+        checkpoint_id=ckpt_id,
+        status=status,
+        bytes=nbytes,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def claim_destination(dst: Store, ckpt_id: str) -> Committer | PersistStatus:
+    """The committer of a copy of checkpoint ``ckpt_id`` into ``dst``; or, when a checkpoint is committed there
+    (or being written by another process since the look), ``already durable`` if it is that one, else ``conflict``."""
+    existing = existing_id(dst)
+    if existing is None:
+        try:
+            return Committer(dst)
+        except CheckpointExistsError:  # committed (or being written) by another process since the look above
+            existing = existing_id(dst)
+    return "already durable" if existing == ckpt_id else "conflict"
+
+
 def advance_latest(run: RunDirectory, name: str, step: int, ckpt_id: str) -> None:
     """Point ``latest`` here unless it already names a newer step (a rescue of an older slot must not move it back)."""
     current = run.latest()
@@ -287,16 +309,7 @@ def _persist_encoded(
         nbytes = sum(f.size for f in manifest.files)
         if update_latest:
             advance_latest(run, name, step, ckpt_id)
-    return Persisted(
-        source=src.url,
-        destination=destination,
-        name=name,
-        step=step,
-        checkpoint_id=ckpt_id,
-        status=status,
-        bytes=nbytes,
-        seconds=time.perf_counter() - started,
-    )
+    return persisted_since(started, src, destination, name, step, ckpt_id, status, nbytes)
 
 
 def persist_spread(
@@ -328,15 +341,11 @@ def persist_spread(
         status: PersistStatus | None = None
         committer: Committer | None = None
         if collective.rank == 0:
-            try:
-                existing = existing_id(dst)
-                if existing is None:
-                    committer = Committer(dst)
-                else:
-                    status = "already durable" if existing == ckpt_id else "conflict"
-            except CheckpointExistsError:
-                existing = existing_id(dst)
-                status = "already durable" if existing == ckpt_id else "conflict"
+            claimed = claim_destination(dst, ckpt_id)
+            if isinstance(claimed, Committer):
+                committer = claimed
+            else:
+                status = claimed
         # a list of paths: at most as many as the manifest lists, each at most 1 KiB plus its quotes and comma
         commit = CollectiveCommit(
             dst,
@@ -352,16 +361,7 @@ def persist_spread(
         mine = exc
 
     def outcome(status: PersistStatus, nbytes: int = 0) -> Persisted:
-        return Persisted(
-            source=src.url,
-            destination=dst.url,
-            name=name,
-            step=step,
-            checkpoint_id=ckpt_id,
-            status=status,
-            bytes=nbytes,
-            seconds=time.perf_counter() - started,
-        )
+        return persisted_since(started, src, dst.url, name, step, ckpt_id, status, nbytes)
 
     everything = [f.path for f in manifest.files] if commit is not None else []
     try:

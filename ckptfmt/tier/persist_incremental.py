@@ -23,12 +23,11 @@ import logging
 import threading
 import time
 from collections.abc import Collection
-from datetime import datetime, timezone
 
-from .._version import __version__
 from ..chain import SINCE_FULL, depth_of, next_depth
+from ..convert.native import reencoded_provenance
 from ..errors import CheckpointError, CheckpointExistsError
-from ..incremental import RawDigests
+from ..incremental import RawDigests, log_referenced
 from ..manifest import Manifest
 from ..manifest_io import read_manifest_bytes
 from ..manifest_parse import parse_manifest
@@ -36,7 +35,7 @@ from ..reader import Checkpoint, open_checkpoint
 from ..run import RunDirectory, step_of
 from ..storage import open_store
 from ..writer import CheckpointWriter
-from .persist import Persisted, Throttle, advance_latest, persist, rewritten_status, snapshot_source
+from .persist import Persisted, Throttle, advance_latest, persist, persisted_since, rewritten_status, snapshot_source
 
 log = logging.getLogger("ckptfmt")
 
@@ -65,15 +64,7 @@ class IncrementalPersist:
         found = rewritten_status(destination, run, snapshot_id)
         if found is not None:
             status, ckpt_id = found
-            return Persisted(
-                source=src.url,
-                destination=destination,
-                name=name,
-                step=step,
-                checkpoint_id=ckpt_id,
-                status=status,
-                seconds=time.perf_counter() - started,
-            )
+            return persisted_since(started, src, destination, name, step, ckpt_id, status)
         with self._lock:
             content = self._content
         try:
@@ -85,16 +76,7 @@ class IncrementalPersist:
         with self._lock:
             self._content = content
         advance_latest(run, name, step, ckpt_id)
-        return Persisted(
-            source=src.url,
-            destination=destination,
-            name=name,
-            step=step,
-            checkpoint_id=ckpt_id,
-            status="persisted",
-            bytes=written,
-            seconds=time.perf_counter() - started,
-        )
+        return persisted_since(started, src, destination, name, step, ckpt_id, "persisted", written)
 
     def base_for(self, run: RunDirectory, step: int) -> tuple[str | None, int]:
         """The base of the durable save of ``step`` and its depth: the run directory's ``latest`` when it is an
@@ -157,15 +139,7 @@ class IncrementalPersist:
             except BaseException:
                 writer.abort()
                 raise
-            referenced = writer.referenced
-            if referenced is not None:
-                log.info(
-                    "%s: %d bytes referenced in %s (%d chunks), not written",
-                    name,
-                    referenced.bytes,
-                    base,
-                    referenced.chunks,
-                )
+            log_referenced(name, base, writer.referenced)
             raw = (ckpt_id, writer.raw_digests)
         stored = parse_manifest(read_manifest_bytes(store))
         return ckpt_id, sum(f.size for f in stored.files), raw
@@ -189,12 +163,4 @@ def _copy_into(writer: CheckpointWriter, ckpt: Checkpoint, manifest: Manifest, t
                 throttle.after(time.perf_counter() - started)
         if record.context is not None and fname != "provenance":
             writer.write_context(fname, ckpt.read_context(fname))
-    provenance = dict(ckpt.read_context("provenance")) if "provenance" in manifest.fields else {}
-    provenance["converted_from"] = {
-        "format": "ckptfmt",
-        "url": ckpt.url,
-        "checkpoint_id": ckpt.id,
-        "converted_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "converter": {"name": "ckptfmt", "version": __version__},
-    }
-    writer.write_context("provenance", provenance)
+    writer.write_context("provenance", reencoded_provenance(ckpt))

@@ -24,7 +24,7 @@ from ..chain import since_full as since_full  # its home was here
 from ..collective import Collective
 from ..decide import decide
 from ..errors import CheckpointError
-from ..incremental import RawDigests
+from ..incremental import RawDigests, log_referenced
 from ..run import RunDirectory, checkpoint_name
 from ..storage import open_store
 from ..writer import CheckpointWriter
@@ -159,15 +159,7 @@ class DurableEngine:
             raise
         self._base = (name, depth)
         self._base_content = (ckpt_id, writer.raw_digests) if incremental else None
-        referenced = writer.referenced
-        if referenced is not None:
-            log.info(
-                "%s: %d bytes referenced in %s (%d chunks), not written",
-                name,
-                referenced.bytes,
-                base,
-                referenced.chunks,
-            )
+        log_referenced(name, base, writer.referenced)
         self.lineage.last_checkpoint_id = ckpt_id
         if self.is_coordinator:
             self.run.set_latest(name, step, ckpt_id)
