@@ -367,11 +367,13 @@ def killed_writer(moto_server: MotoServer, bucket: str, no_aws_env: None) -> Ite
         options = options_for(proxy.endpoint, config_kwargs={"retries": {"max_attempts": 20}})
         proc = writer(f"{run}/step-9", options, BIG_FILES)
         try:
-            deadline = time.monotonic() + 60  # a hang guard
-            while not (proxy.is_cut and uploads_under(client, bucket, "run/")):
+            for _ in range(3000):  # polls, not a clock: a hang guard of about a minute
+                if proxy.is_cut and uploads_under(client, bucket, "run/"):
+                    break
                 assert proc.poll() is None, "the writer ended before it was killed"
-                assert time.monotonic() < deadline, "the writer never got a multipart upload going"
                 time.sleep(0.02)
+            else:
+                pytest.fail("the writer never got a multipart upload going")
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.kill()
