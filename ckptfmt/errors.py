@@ -257,6 +257,14 @@ class MalformedMessageError(CollectiveError):
     code = "malformed_message"
 
 
+class HealRefusedError(CollectiveError):
+    """A replica group's heal from a peer was refused: the peer could not send the checkpoint at the step asked
+    for, or what it sent did not check out (a damaged or lying sender). It names the sender; nothing it sent was
+    loaded."""
+
+    code = "heal_refused"
+
+
 class MemoryCapacityError(CheckpointError):
     """The memory tier's slots do not fit in the memory directory (spec/memory.md MEM-9)."""
 

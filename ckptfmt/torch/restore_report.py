@@ -11,7 +11,7 @@ import torch
 from ..tier.agreed import MemoryOption
 from .memory import MemoryCandidate
 
-Tier = Literal["memory", "peer", "durable"]
+Tier = Literal["memory", "peer", "durable", "healed"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
