@@ -314,6 +314,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "ManifestError",
+    "HealRefusedError",
     "MalformedMessageError",
     "MemoryCapacityError",
     "MessageTooLargeError",
