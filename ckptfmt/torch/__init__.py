@@ -11,6 +11,7 @@ from .loader import InexactResumeWarning, ResumableDataLoader
 from .manager import CheckpointManager
 from .options import DurableOptions, MemoryOptions, PreemptionOptions, RestoreOptions, RetentionOptions
 from .prewarm import prewarm
+from .replica_batches import ReplicaBatches, StepRecord
 from .restore_report import RestoreReport
 from .sampler import DatasetIdentity, ResumableSampler
 from .training_state import Stateful, TrainingState
@@ -22,6 +23,7 @@ __all__ = [
     "InexactResumeWarning",
     "MemoryOptions",
     "PreemptionOptions",
+    "ReplicaBatches",
     "Restored",
     "ResumableDataLoader",
     "ResumableSampler",
@@ -29,6 +31,7 @@ __all__ = [
     "RestoreReport",
     "RetentionOptions",
     "Stateful",
+    "StepRecord",
     "TrainingState",
     "capture",
     "load",

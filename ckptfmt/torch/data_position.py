@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import ContextError, UsageError
 from .loader import InexactResumeWarning, ResumableDataLoader
+from .replica_batches import ReplicaBatches
 from .sampler import DatasetIdentity, ResumableSampler
 
 Policy = Literal["strict", "warn", "ignore"]
@@ -120,7 +121,7 @@ def _num_yielded(data: object) -> int:
 
 def inexact_resume_reasons(source: Any) -> list[str]:
     """Why resuming into ``source`` would not reproduce the uninterrupted run (empty when it would)."""
-    if isinstance(source, (ResumableDataLoader, ResumableSampler)):
+    if isinstance(source, (ResumableDataLoader, ResumableSampler, ReplicaBatches)):
         return []
     reasons = []
     if isinstance(source, DataLoader) and source.generator is None:
@@ -155,6 +156,9 @@ def check_restorable(source: Any, data: Mapping[str, Any]) -> None:
     for reason in inexact_resume_reasons(source):
         _warn("resume will not be exact: " + reason)
     target = _inner_sampler(source) if _is_plain_loader(source) else source
+    if isinstance(target, ReplicaBatches):
+        target.check_state_dict(data)  # a peer's or a file's position, refused before anything is applied
+        return
     ours = isinstance(target, (ResumableDataLoader, ResumableSampler))
     sampler = data.get("sampler")
     written_by_us = isinstance(sampler, Mapping) and sampler.get("kind") == "ckptfmt.resumable"
@@ -175,7 +179,7 @@ def restore_data(source: Any, data: Mapping[str, Any]) -> None:
         source = _inner_sampler(source)
         if not hasattr(source, "load_state_dict"):
             return  # warned about in check_restorable: nothing can take the position
-    if isinstance(source, (ResumableDataLoader, ResumableSampler)):
+    if isinstance(source, (ResumableDataLoader, ResumableSampler, ReplicaBatches)):
         source.load_state_dict(data)
         return
     loader = data.get("loader")

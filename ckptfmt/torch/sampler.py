@@ -197,6 +197,18 @@ class ResumableSampler:
     def __len__(self) -> int:
         return len(self._remaining_positions()) // self.world_size
 
+    def upcoming(self, count: int, *, from_next_epoch: bool = False) -> list[int]:
+        """Read-only: the sample indices of the next ``count`` samples of the global order, quarantined shards left
+        out (fewer where the epoch ends first); with ``from_next_epoch``, the first ``count`` of the next epoch."""
+        if not from_next_epoch:
+            return list(self._permutation()[self._remaining_positions()[:count]].tolist())
+        saved = self.epoch, self.position, self.consumed
+        self.next_epoch()
+        try:
+            return list(self._permutation()[self._remaining_positions()[:count]].tolist())
+        finally:
+            self.epoch, self.position, self.consumed = saved
+
     # ---------------------------------------------------------------- position
 
     def advance(self, samples_per_rank: int) -> None:
