@@ -89,7 +89,10 @@ class HealServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                server._serve(self)
+                try:
+                    server._serve(self)
+                except OSError as exc:  # the peer gave up (its timeout) and closed the connection
+                    log.debug("heal server: %s went away: %s", self.client_address, exc)
 
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("heal server: " + format, *args)
@@ -97,7 +100,10 @@ class HealServer:
         self._http = ThreadingHTTPServer((host, port), Handler)
         self._http.daemon_threads = True
         self.address = f"http://{host}:{self._http.server_address[1]}"
-        self._thread = threading.Thread(target=self._http.serve_forever, name="ckptfmt-heal-server", daemon=True)
+        # polled every 50 ms for shutdown (the default 0.5 s is what each transport's shutdown would wait)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="ckptfmt-heal-server", daemon=True
+        )
         self._thread.start()
 
     def offer(self, offer: Offer) -> None:

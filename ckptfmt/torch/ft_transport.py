@@ -119,6 +119,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         self._damaged: set[str] = set()  # memory snapshots (by checkpoint id) that failed their digest as sent
         self.offers_from_memory = 0
         self.offers_from_live = 0
+        self.refusals: list[str] = []  # every heal this transport refused, why (torchft logs them and retries)
 
     # ---------------------------------------------------------------- what torchft's Manager registers
 
@@ -199,7 +200,12 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict[str, Any]:
         directory = self._new_dir("recv")
-        fetched = fetch(metadata, step, directory, timeout=timeout.total_seconds())
+        try:
+            fetched = fetch(metadata, step, directory, timeout=timeout.total_seconds())
+        except HealRefusedError as exc:
+            self.refusals.append(str(exc))
+            self._remove(directory)
+            raise
         try:
             kind = fetched.info.get("kind")
             if kind == "training":
@@ -214,7 +220,9 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
             if kind == "tree":
                 return self._read_tree(fetched, step)
             raise HealRefusedError(f"{metadata} offered a state of unknown kind {kind!r:.40}")
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, HealRefusedError):
+                self.refusals.append(str(exc))
             self._remove(directory)
             raise
 
@@ -254,8 +262,12 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         directory = self._new_dir("send")
         self._offered = directory
         store = LocalStore(directory, direct_io=False)
-        with CheckpointWriter(store) as writer:
-            write_snapshot(writer, snap)
+        writer = CheckpointWriter(store)
+        try:
+            write_snapshot(writer, snap)  # commits: a `with` block would commit it a second time
+        except BaseException:
+            writer.abort()
+            raise
         self.offers_from_live += 1
         return Offer(step=step, source=store, manifest_bytes=store.read(MANIFEST_NAME), info={**info, "source": "live"})
 
