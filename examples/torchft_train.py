@@ -60,6 +60,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-dir", default=None, help="this group's node memory (default: /dev/shm/ckptfmt-<uid>)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--durable-every", type=int, default=20)
+    p.add_argument("--memory-every", type=int, default=1, help="a memory snapshot every N committed steps (0: off)")
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--width", type=int, default=64)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None, transport_factory: Any = make_transport)
     manager = CheckpointManager(
         os.path.join(args.run_dir, f"group-{args.replica_id}"),
         keep_last=2,
-        memory=MemoryOptions(every=1, memory_dir=args.memory_dir),
+        memory=MemoryOptions(every=args.memory_every, memory_dir=args.memory_dir) if args.memory_every else None,
         preemption_signals=(),
     )
     transport = transport_factory(manager, state, args)
@@ -181,7 +182,15 @@ def main(argv: list[str] | None = None, transport_factory: Any = make_transport)
         report = manager.last_restore
         if report is not None and report.tier == "healed" and report is not healed_seen:
             healed_seen = report
-            log.write(event="healed", pid=os.getpid(), t=time.time(), refusals=transport.refusals, **report.to_dict())
+            started = transport.heal_started
+            log.write(
+                event="healed",
+                pid=os.getpid(),
+                t=time.time(),
+                began=started,
+                refusals=transport.refusals,
+                **report.to_dict(),
+            )
         log.write(
             event="step",
             pid=os.getpid(),

@@ -31,6 +31,7 @@ class Cluster:
         from torchft.coordination import LighthouseServer
 
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.steps = steps
         self.step_sleep = step_sleep
         self.samples = samples

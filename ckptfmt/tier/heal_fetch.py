@@ -69,7 +69,7 @@ def _fetch(url: str, address: str, step: int, directory: str, timeout: float, st
     except (urllib.error.URLError, OSError) as exc:
         raise HealRefusedError(f"{address} could not be reached for step {step} (timed out or refused): {exc}") from exc
     with response:
-        channel = StreamChannel(peer=address, read=response.read)
+        channel = StreamChannel(peer=address, read_into=response.readinto)
         try:
             info = load_json(
                 receive_bounded(channel, 0, TAG, OFFER_BYTES, "an offer"),

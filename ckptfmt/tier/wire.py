@@ -125,7 +125,12 @@ def send_files(
                     _PIECE_HEAD.pack(_ABORT, 0) + str(exc).encode("utf-8")[:ABORT_TEXT_BYTES], dst=dst, tag=tag
                 )
                 raise
-            channel.send(_PIECE_HEAD.pack(_OK, xxhash.xxh3_64_intdigest(view)) + bytes(view), dst=dst, tag=tag)
+            head = _PIECE_HEAD.pack(_OK, xxhash.xxh3_64_intdigest(view))
+            send_parts = getattr(channel, "send_parts", None)
+            if send_parts is not None:  # a stream: the piece's two parts are written as they are, not joined first
+                send_parts((head, view), dst=dst, tag=tag)
+            else:
+                channel.send(head + bytes(view), dst=dst, tag=tag)
             position += len(view)
             sent += len(view)
             if throttle is not None:

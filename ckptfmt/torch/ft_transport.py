@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 try:
-    from torchft.checkpointing.transport import CheckpointTransport  # type: ignore[import-untyped]
+    from torchft.checkpointing.transport import CheckpointTransport
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever this module is used
     raise ImportError("ckptfmt.torch.ft_transport needs torchft: pip install 'ckptfmt[torchft]'") from exc
 
@@ -119,6 +119,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         self._damaged: set[str] = set()  # memory snapshots (by checkpoint id) that failed their digest as sent
         self.offers_from_memory = 0
         self.offers_from_live = 0
+        self.heal_started: float | None = None  # time.time() when the newest receive began (for the figures)
         self.refusals: list[str] = []  # every heal this transport refused, why (torchft logs them and retries)
 
     # ---------------------------------------------------------------- what torchft's Manager registers
@@ -199,6 +200,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
             self._drop_offer()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict[str, Any]:
+        self.heal_started = time.time()
         directory = self._new_dir("recv")
         try:
             fetched = fetch(metadata, step, directory, timeout=timeout.total_seconds())
