@@ -20,8 +20,10 @@ A group started when every group is gone resumes from its memory snapshot or dur
 tells torchft the step; one that starts beside live groups heals from them at its first quorum.
 
 Test hooks: ``--die-at-step N`` SIGKILLs this process in the middle of step N (after its quorum, before its
-gradients are reduced); ``--log FILE`` appends one JSON line per committed step (pid, step, participants, the sample
-indices this group trained on, a digest of parameters and optimizer state) and one per heal.
+gradients are reduced; or of its first step after N, if it joined later); ``--stop-file F`` ends the loop cleanly
+after the first step at which F exists; ``--log FILE`` appends one JSON line per committed step (pid, step,
+participants, the sample indices this group trained on, a digest of parameters and optimizer state) and one per
+heal.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step on top of the compute")
     p.add_argument("--host", default="127.0.0.1", help="the address peers heal from")
     p.add_argument("--die-at-step", type=int, default=None)
+    p.add_argument("--stop-file", default=None, help="stop cleanly after the step at which this file exists")
     p.add_argument("--log", default=None)
     return p.parse_args(argv)
 
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None, transport_factory: Any = make_transport)
     while ft.current_step() < args.steps:
         optim.zero_grad()  # the quorum: groups that left are dropped, one that joins heals (in the background)
         rank, participants = ft.participating_rank(), ft.num_participants()
-        if args.die_at_step is not None and ft.current_step() + 1 == args.die_at_step:
+        if args.die_at_step is not None and ft.current_step() + 1 >= args.die_at_step:
             log.write(event="die", pid=os.getpid(), step=args.die_at_step, t=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
         indices = batches.indices(rank, participants)
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None, transport_factory: Any = make_transport)
             digest=state_digest(model, optimizer),
             loss=float(loss.detach()),
         )
+        if args.stop_file is not None and os.path.exists(args.stop_file):
+            break
         if args.step_sleep:
             time.sleep(args.step_sleep)
     manager.close()

@@ -71,6 +71,8 @@ class Cluster:
             str(self.width),
             "--log",
             str(self.log(group)),
+            "--stop-file",
+            str(self.root / "stop"),
             *extra,
         ]
         env = {**os.environ, "RUST_LOG": "warn", "PYTHONPATH": str(ROOT / "examples")}
@@ -78,6 +80,18 @@ class Cluster:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.processes.append(process)
         return process
+
+    def stop(self) -> None:
+        """Every group ends its loop cleanly after its next step (``--stop-file``)."""
+        (self.root / "stop").touch()
+
+    def until(self, condition: Any, what: str, *, polls: int = 1200, every: float = 0.1) -> None:
+        """Poll until ``condition()`` holds; a bounded number of polls (a hang guard)."""
+        for _ in range(polls):
+            if condition():
+                return
+            time.sleep(every)
+        raise AssertionError(f"never: {what}\n{self.output(0)}\n{self.output(1)}")
 
     def records(self, group: int) -> list[dict[str, Any]]:
         path = self.log(group)
