@@ -51,7 +51,7 @@ from ..storage.slot import SlotStore
 from ..tier.heal_fetch import Fetched, fetch
 from ..tier.heal_server import HealServer, Offer
 from ..writer import CheckpointWriter
-from . import api, state_tree
+from . import state_tree
 from .restore_report import RestoreReport
 from .write_state import write_snapshot
 
@@ -109,8 +109,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         self.manager = manager
         self.state = state
         self.timeout = timeout
-        memory = manager._memory if manager is not None else None
-        base = staging_dir or (memory.tier.root if memory is not None else None) or _default_staging()
+        base = staging_dir or (manager.memory_root if manager is not None else None) or _default_staging()
         self._staging = os.fspath(base)
         self._server = HealServer(host=host or socket.gethostname(), port=port, timeout=timeout.total_seconds())
         self._lock = threading.Lock()
@@ -137,35 +136,25 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         manager, state = self._training()
         started = time.perf_counter()
         fetched = value.fetched
-        try:
-            tracked = state.with_loader(manager._lineage.loader)
-            api.load(
-                fetched.directory,
-                model=tracked.model,
-                optimizer=tracked.optimizer,
-                sampler=tracked.sampler,
-                loader=tracked.loader,
-                scheduler=tracked.scheduler,
-                scaler=tracked.scaler,
-                config=tracked.config,
-                generators=tracked.generators,
-                on_mismatch=manager.restore_options.on_mismatch or "warn",
+
+        def report(applied: float) -> RestoreReport:
+            return RestoreReport(
+                step=value.step,
+                tier="healed",
+                url=fetched.sender,
+                checkpoint_id=fetched.checkpoint_id,
+                seconds=fetched.seconds + applied,
+                bytes_read=fetched.nbytes,
+                sources={"*": f"replica {fetched.sender} ({fetched.info.get('source')})"},
+                phases={"transfer": fetched.seconds, "apply": applied},
             )
+
+        try:
+            manager.load_healed(fetched.directory, state, report(0.0))
         finally:
             self._remove(fetched.directory)
         applied = time.perf_counter() - started
-        manager._lineage.step = value.step
-        manager._lineage.last_checkpoint_id = fetched.checkpoint_id
-        manager.last_restore = RestoreReport(
-            step=value.step,
-            tier="healed",
-            url=fetched.sender,
-            checkpoint_id=fetched.checkpoint_id,
-            seconds=fetched.seconds + applied,
-            bytes_read=fetched.nbytes,
-            sources={"*": f"replica {fetched.sender} ({fetched.info.get('source')})"},
-            phases={"transfer": fetched.seconds, "apply": applied},
-        )
+        manager.last_restore = report(applied)  # with the apply's time, now that it is known
         log.info(
             "healed to step %d from %s (%s): %d bytes in %.3f s",
             value.step,
@@ -244,11 +233,10 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
     def _training_offer(self, step: int, key: str, ft_state: dict[str, int]) -> Offer:
         manager, state = self._training()
         info: dict[str, object] = {"kind": "training", "step": step, "key": key, "torchft": ft_state}
-        memory = manager._memory
-        newest = memory.newest if memory is not None else None
-        usable = newest is not None and newest.step == step and newest.checkpoint_id not in self._damaged
-        if memory is not None and newest is not None and usable:
-            source = SlotStore(memory.tier.slot_path(newest.slot))
+        held = manager.newest_snapshot()
+        if held is not None and held[1].step == step and held[1].checkpoint_id not in self._damaged:
+            slot_dir, newest = held
+            source = SlotStore(slot_dir)
             manifest = source.read(MANIFEST_NAME)
             if checkpoint_id(manifest) == newest.checkpoint_id:  # else rewritten since: offer the live state
                 self.offers_from_memory += 1
@@ -260,7 +248,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
                     info={**info, "source": "memory"},
                     on_damaged=lambda exc: self._on_damaged(damaged, exc),
                 )
-        snap = manager._lineage.capture(step, state.with_loader(manager._lineage.loader), defer=False)
+        snap = manager.capture(step, state)
         directory = self._new_dir("send")
         self._offered = directory
         store = LocalStore(directory, direct_io=False)

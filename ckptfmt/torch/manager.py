@@ -45,6 +45,7 @@ import torch
 from ..collective import Collective
 from ..run import RunDirectory, checkpoint_name
 from ..tier.replica import RoundResult
+from ..tier.ring import SlotRef
 from . import api
 from .api import Policy
 from .durable import DurableEngine
@@ -54,6 +55,7 @@ from .memory_engine import MemoryEngine
 from .options import DurableOptions, MemoryOptions, PreemptionOptions, RestoreOptions, RetentionOptions, resolve
 from .restore_report import RestoreReport
 from .restorer import Restorer
+from .snapshot import Snapshot
 from .training_state import Lineage, Stateful, TrainingState
 
 log = logging.getLogger("ckptfmt")
@@ -349,6 +351,43 @@ class CheckpointManager:
     def _record_restore(self, report: RestoreReport) -> None:
         """Every rank's report, gathered and recorded by rank 0 (the restorer's last step)."""
         self._restorer._record(report)
+
+    # ---------------------------------------------------------------- a heal between replica groups (ft_transport)
+
+    @property
+    def memory_root(self) -> str | None:
+        """This run's directory in node memory (slots, replicas, staged heals); None without the memory tier."""
+        return str(self._memory.tier.root) if self._memory is not None else None
+
+    def newest_snapshot(self) -> tuple[str, SlotRef] | None:
+        """The newest committed memory snapshot: its slot's directory and reference; None without one."""
+        memory = self._memory
+        newest = memory.newest if memory is not None else None
+        return (memory.tier.slot_path(newest.slot), newest) if memory is not None and newest is not None else None
+
+    def capture(self, step: int, state: TrainingState) -> Snapshot:
+        """The training state at ``step``, copied now, as a synchronous save captures it (for a peer to take)."""
+        return self._lineage.capture(step, state.with_loader(self._lineage.loader), defer=False)
+
+    def load_healed(self, url: str, state: TrainingState, report: RestoreReport) -> None:
+        """Apply the checked checkpoint at ``url`` (a heal's staging copy) to ``state``, all of it or nothing, as a
+        restore does; then it is this run's newest state (the next save's parent) and :attr:`last_restore`."""
+        tracked = state.with_loader(self._lineage.loader)
+        api.load(
+            url,
+            model=tracked.model,
+            optimizer=tracked.optimizer,
+            sampler=tracked.sampler,
+            loader=tracked.loader,
+            scheduler=tracked.scheduler,
+            scaler=tracked.scaler,
+            config=tracked.config,
+            generators=tracked.generators,
+            on_mismatch=self.restore_options.on_mismatch or "warn",
+        )
+        self._lineage.step = report.step
+        self._lineage.last_checkpoint_id = report.checkpoint_id
+        self.last_restore = report
 
     # ---------------------------------------------------------------- housekeeping
 
