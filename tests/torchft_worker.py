@@ -1,6 +1,7 @@
-"""examples/torchft_train.py with one fault hook for tests: ``--flip-first-offer`` flips a byte of the memory
-snapshot this group offers to a healing peer the first time it offers one (a bit flipped in node memory), so that
-the heal must be refused and retried, and the bad byte never loaded."""
+"""examples/torchft_train.py with one fault hook for tests: ``--flip-first-offer`` flips a byte of the checkpoint
+this group first offers to a healing peer (its memory snapshot, or the snapshot of its live state when the memory
+tier does not hold the step yet: a bit flipped in node memory), so that the heal must be refused and retried, and
+the bad byte never loaded."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class FlippingTransport(CkptfmtTransport):  # type: ignore[misc]
 
     def _training_offer(self, step: int, key: str, ft_state: dict[str, int]) -> Offer:
         offer = super()._training_offer(step, key, ft_state)
-        if not self.flipped and offer.info.get("source") == "memory":
+        if not self.flipped:
             self.flipped = True
             root = Path(offer.source.url)
             data = sorted(p for p in root.rglob("*.safetensors"))[0]
