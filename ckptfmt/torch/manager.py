@@ -372,19 +372,8 @@ class CheckpointManager:
     def load_healed(self, url: str, state: TrainingState, report: RestoreReport) -> None:
         """Apply the checked checkpoint at ``url`` (a heal's staging copy) to ``state``, all of it or nothing, as a
         restore does; then it is this run's newest state (the next save's parent) and :attr:`last_restore`."""
-        tracked = state.with_loader(self._lineage.loader)
-        api.load(
-            url,
-            model=tracked.model,
-            optimizer=tracked.optimizer,
-            sampler=tracked.sampler,
-            loader=tracked.loader,
-            scheduler=tracked.scheduler,
-            scaler=tracked.scaler,
-            config=tracked.config,
-            generators=tracked.generators,
-            on_mismatch=self.restore_options.on_mismatch or "warn",
-        )
+        targets = state.with_loader(self._lineage.loader).restore_targets()
+        api.load(url, **targets, on_mismatch=self.restore_options.on_mismatch or "warn")
         self._lineage.step = report.step
         self._lineage.last_checkpoint_id = report.checkpoint_id
         self.last_restore = report

@@ -89,6 +89,12 @@ class TrainingState:
             return self
         return TrainingState(**{**self._fields(), "loader": default})
 
+    def restore_targets(self) -> dict[str, Any]:
+        """The live objects a restore applies a checkpoint to, by the names :func:`api.restore` and :func:`api.load`
+        take them (``extra`` and ``mesh`` are saved, not applied)."""
+        names = ("model", "optimizer", "sampler", "loader", "scheduler", "scaler", "config", "generators")
+        return {name: getattr(self, name) for name in names}
+
     def _fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
 
