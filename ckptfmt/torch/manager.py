@@ -43,13 +43,16 @@ import numpy as np
 import torch
 
 from ..collective import Collective
+from ..errors import UsageError
 from ..run import RunDirectory, checkpoint_name
+from ..tier.binding import node_key
 from ..tier.replica import RoundResult
 from ..tier.ring import SlotRef
 from . import api
 from .api import Policy
 from .durable import DurableEngine
 from .engines import SaveEngine
+from .guard import GuardError, GuardEvent, GuardOptions, GuardVerdict, StepGuard
 from .memory import MemorySnapshots
 from .memory_engine import MemoryEngine
 from .options import DurableOptions, MemoryOptions, PreemptionOptions, RestoreOptions, RetentionOptions, resolve
@@ -93,6 +96,7 @@ class CheckpointManager:
         memory: MemoryOptions | None = None,
         preemption: PreemptionOptions | None = None,
         restore: RestoreOptions | None = None,
+        guard: GuardOptions | None = None,
     ) -> None:
         """Options come in groups (``retention=``, ``durable=``, ``memory=``, ``preemption=``, ``restore=``, see
         :mod:`ckptfmt.torch.options`), or as the keyword arguments each group's fields are named after; a group and
@@ -157,6 +161,11 @@ class CheckpointManager:
             memory=self._memory,
             durable=self._durable,
         )
+        self._guard: StepGuard | None = None
+        if guard is not None:
+            if self._memory_engine is None:
+                raise UsageError("guard= rolls back from the memory tier: give memory_every >= 1 (1: every step)")
+            self._guard = StepGuard(guard, collective=self.collective, roll_back=self._roll_back, node=node_key())
         self._preempted = threading.Event()
         self._previous_handlers: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -352,6 +361,40 @@ class CheckpointManager:
         """Every rank's report, gathered and recorded by rank 0 (the restorer's last step)."""
         self._restorer._record(report)
 
+    # ---------------------------------------------------------------- the guard (issue 40)
+
+    def guard(self, step: int, state: TrainingState, *, loss: object, grad_norm: object = None) -> GuardVerdict:
+        """Judge step ``step`` before its optimizer step (every rank together; see :mod:`ckptfmt.torch.guard`): a
+        verdict that is true means go on; ``verdict.rolled_back`` means the state is back at ``verdict.step``."""
+        if self._guard is None:
+            raise UsageError("mgr.guard() needs CheckpointManager(guard=GuardOptions(...))")
+        source = api.data_source(sampler=state.sampler, loader=state.loader) or self._lineage.loader
+        norm = None if grad_norm is None else _scalar(grad_norm)
+        return self._guard.check(step, state, loss=_scalar(loss), grad_norm=norm, source=source)
+
+    @property
+    def guard_events(self) -> list[GuardEvent]:
+        """What the guard did so far, oldest first."""
+        return list(self._guard.events) if self._guard is not None else []
+
+    def _roll_back(self, state: TrainingState) -> int:
+        """Restore the newest memory snapshot (the state before the step that tripped the guard); its step."""
+        self.wait_memory()
+        source = api.data_source(sampler=state.sampler, loader=state.loader) or self._lineage.loader
+        sampler = getattr(source, "resumable_sampler", source)
+        end = getattr(sampler, "end_iterator", None)
+        if end is not None:
+            end()  # the loop's iterator hands out nothing more: the loop starts a new one at the restored position
+        report = self._restorer.restore(state)
+        if report is None or self._lineage.step is None:
+            raise GuardError("the guard tripped, but there is no snapshot to roll back to")
+        if report.tier == "durable":
+            log.warning("the guard rolled back from the run directory: the memory tier held no snapshot")
+        self.last_restore = report
+        if state.optimizer is not None:
+            state.optimizer.zero_grad(set_to_none=True)  # the bad step's gradients go with it
+        return self._lineage.step
+
     # ---------------------------------------------------------------- a heal between replica groups (ft_transport)
 
     @property
@@ -418,3 +461,10 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _scalar(value: object) -> float:
+    """A loss or norm as a float: a tensor's value (detached), or the number itself."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().item())
+    return float(value)  # type: ignore[arg-type]

@@ -1,0 +1,109 @@
+"""The step guard (ckptfmt.torch.guard): a bad step rolls back from memory, is replayed, and bad data is quarantined."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ckptfmt.errors import UsageError
+from ckptfmt.torch import CheckpointManager, MemoryOptions, ResumableDataLoader, TrainingState
+from ckptfmt.torch.guard import GuardEvent, GuardOptions, SpikeRule
+
+Fault = Callable[[int, int, torch.Tensor], torch.Tensor]  # (step, attempt, loss) -> loss
+
+
+def train(
+    root: Path,
+    *,
+    total: int = 12,
+    fault: Fault | None = None,
+    guard: GuardOptions | None = None,
+    quarantined: Iterable[int] = (),
+) -> tuple[list[torch.Tensor], list[GuardEvent], CheckpointManager, ResumableDataLoader[Any]]:
+    """A tiny run: a linear model, AdamW, a shuffling ResumableDataLoader, a memory snapshot every step."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y = x.sum(1, keepdim=True)
+    loader: ResumableDataLoader[Any] = ResumableDataLoader(TensorDataset(x, y), batch_size=8, seed=3, shuffle=True)
+    for index in quarantined:  # the clean run to compare with: these samples never were in the order
+        loader.resumable_sampler.quarantine_samples([index], step=0, reason="manual")
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainingState(model=model, optimizer=optimizer, loader=loader, config={"run": "guard"})
+    mgr = CheckpointManager(
+        root / "run",
+        memory=MemoryOptions(every=1, memory_dir=root / "memory"),
+        guard=guard or GuardOptions(),
+        preemption_signals=(),
+    )
+    attempts: dict[int, int] = {}
+    step = 0
+    mgr.checkpoint_if_due(0, state, every=1000)  # the state before step 1: a first step that trips rolls back here
+    while step < total:
+        for xb, yb in loader:
+            loss = nn.functional.mse_loss(model(xb), yb)
+            attempts[step + 1] = attempts.get(step + 1, 0) + 1
+            if fault is not None:
+                loss = fault(step + 1, attempts[step + 1], loss)
+            loss.backward()
+            verdict = mgr.guard(step + 1, state, loss=loss)
+            if verdict.rolled_back:
+                step = verdict.step
+                break
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            mgr.checkpoint_if_due(step, state, every=1000)
+            if step >= total:
+                break
+    events = mgr.guard_events
+    return [p.detach().clone() for p in model.parameters()], events, mgr, loader
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def test_a_transient_fault_is_rolled_back_replayed_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
+    clean, events, mgr, _ = train(tmp_path / "clean")
+    mgr.close(persist=False)
+    assert events == []
+
+    def once(step: int, attempt: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * math.nan if step == 5 and attempt == 1 else loss
+
+    faulty, events, mgr, loader = train(tmp_path / "faulty", fault=once)
+    mgr.close(persist=False)
+    assert [e.kind for e in events] == ["rolled_back", "transient"]
+    assert events[1].step == 5 and events[1].ranks == (0,) and "nonfinite" in events[1].reason
+    assert math.isnan(events[0].values["loss@rank0"])
+    assert loader.state_dict().get("quarantine", []) == []  # nothing quarantined
+    assert same(clean, faulty)
+
+
+def test_a_spike_rule_judges_against_the_window_of_accepted_losses() -> None:
+    rule = SpikeRule(window=10, warmup=5, z=4.0)
+    steady = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]
+    assert rule.judge(1.2, steady[:4]) is None  # not warmed up
+    assert rule.judge(1.2, steady) is None
+    assert rule.judge(5.0, steady) is not None and "stdev" in str(rule.judge(5.0, steady))
+    ratio = SpikeRule(window=10, warmup=3, z=None, ratio=3.0)
+    assert ratio.judge(2.9, [1.0, 1.0, 1.0]) is None
+    assert "median" in str(ratio.judge(3.1, [1.0, 1.0, 1.0]))
+    for bad in ({"warmup": 1}, {"warmup": 20, "window": 10}, {"z": None, "ratio": None}, {"ratio": 0.5}):
+        with pytest.raises(UsageError):
+            SpikeRule(**bad)  # type: ignore[arg-type]
+
+
+def test_a_guard_without_the_memory_tier_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="memory tier"):
+        CheckpointManager(tmp_path / "run", guard=GuardOptions(), preemption_signals=())
+    with pytest.raises(UsageError, match="policy"):
+        GuardOptions(policy="everything")  # type: ignore[arg-type]
