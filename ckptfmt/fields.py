@@ -10,6 +10,7 @@ import numpy as np
 
 from .canonical import config_hash
 from .errors import ConfigHashMismatchError, ContextError
+from .quarantine import writer_problem
 
 _CREATED_AT = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]+)?Z")
 _DAYS = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
@@ -124,6 +125,14 @@ def check_data(value: Mapping[str, object]) -> None:
     )
 
 
+def check_data_written(value: Mapping[str, object]) -> None:
+    """What a writer must give the optional ``quarantine`` member (spec/fields.md): a reader stays lenient toward it
+    (FLD-1's rule for optional members), the sampler that resumes from it checks it again against its dataset."""
+    if "quarantine" in value:
+        problem = writer_problem(value["quarantine"], value.get("quarantined_shards", []))
+        _require(problem is None, "data", f"'quarantine': {problem}")
+
+
 def _is_json(value: object) -> bool:
     """Nil, bool, int in the msgpack range, finite float, str, array and map only: no bin, no ext (FLD-7)."""
     if isinstance(value, np.generic):  # a writer's config may hold numpy scalars; they encode as their item
@@ -184,8 +193,11 @@ CHECKS: dict[str, Callable[[Mapping[str, object]], None]] = {
 }
 
 
-def check_standard_field(name: str, value: Mapping[str, object]) -> None:
-    """Raise ContextError if a standard field's content breaks its rules; other fields pass."""
+def check_standard_field(name: str, value: Mapping[str, object], *, writing: bool = False) -> None:
+    """Raise ContextError if a standard field's content breaks its rules; other fields pass. ``writing``: also the
+    rules on optional members that only a writer is held to (a reader leaves those alone)."""
     check = CHECKS.get(name)
     if check is not None:
         check(value)
+    if writing and name == "data":
+        check_data_written(value)

@@ -177,7 +177,7 @@ class CheckpointWriter:
             raise UsageError(f"a context must be a mapping, got {type(value).__name__}", field=field)
         if field == "provenance":
             value = {**default_provenance(), **value}
-        check_standard_field(field, value)
+        check_standard_field(field, value, writing=True)
         data = encode(value, where=f"field {field!r}")
         path = layout.context_path(field, self.rank if self.collective is not None else 0)
         self._executor.write_blob(path, data)

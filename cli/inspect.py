@@ -44,8 +44,12 @@ def _render(doc: dict[str, Any]) -> str:
             if "error" in summary:
                 text = f"UNREADABLE [{summary['error']['code']}] {summary['error']['message']}"
             else:
-                text = ", ".join(f"{k}={_short(v)}" for k, v in summary.items()) or "(empty)"
+                shown = {k: v for k, v in summary.items() if not (name == "data" and k == "quarantine")}
+                text = ", ".join(f"{k}={_short(v)}" for k, v in shown.items()) or "(empty)"
             lines.append(f"{name + ':':12} {text}")
+            record = summary.get("quarantine") if name == "data" else None
+            if isinstance(record, list):
+                lines += [f"{'quarantine':12} {_quarantine_entry(entry)}" for entry in record]
     if "tensors" in doc:
         rows = [
             [t["field"], t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", t["bytes"], t["chunks"]]
@@ -53,6 +57,26 @@ def _render(doc: dict[str, Any]) -> str:
         ]
         lines += ["", table(["FIELD", "TENSOR", "DTYPE", "SHAPE", "BYTES", "CHUNKS"], rows)]
     return "\n".join(lines)
+
+
+SAMPLES_SHOWN = 8  # a window of rolled-back steps can quarantine thousands of samples: --json has them all
+
+
+def _quarantine_entry(entry: object) -> str:
+    """One entry of the data field's quarantine record on a line: step, reason, what, values."""
+    if not isinstance(entry, dict):
+        return _short(entry)
+    parts = [f"step {_short(entry.get('step'))}", _short(entry.get("reason"))]
+    if entry.get("shard") is not None:
+        parts.append(f"shard {_short(entry['shard'])}")
+    samples = entry.get("samples")
+    if isinstance(samples, list) and samples:
+        more = f", … ({len(samples)} in all)" if len(samples) > SAMPLES_SHOWN else ""
+        parts.append(f"samples {', '.join(map(_short, samples[:SAMPLES_SHOWN]))}{more}")
+    values = entry.get("values")
+    if isinstance(values, dict) and values:
+        parts.append(" ".join(f"{k}={_short(v)}" for k, v in values.items()))
+    return "  ".join(parts)
 
 
 def _short(value: object) -> str:

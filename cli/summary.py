@@ -38,6 +38,8 @@ def summarize_context(field: str, value: Mapping[str, object]) -> dict[str, Any]
             out["shards"] = len(offsets)
         if "quarantined_shards" in value:
             out["quarantined_shards"] = jsonable(value["quarantined_shards"])
+        if "quarantine" in value:  # the record as stored (NaN and infinities as strings); a reader does not check it
+            out["quarantine"] = jsonable(value["quarantine"])
         return out
     if field == "topology":
         shown = ("world_size", "rank", "mesh", "device_kinds", "regions")

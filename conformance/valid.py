@@ -143,6 +143,27 @@ def training_full() -> dict[str, Any]:
     )
 
 
+def training_quarantine() -> dict[str, Any]:
+    """A data field with a quarantine record (spec/fields.md): samples with NaN and infinite values, a shard entry."""
+    doc = training_base()
+    doc["fields"]["data"]["context"] = {
+        "epoch": 0,
+        "global_sample_offset": 40,
+        "quarantined_shards": ["3"],
+        "quarantine": [
+            {
+                "reason": "nonfinite",
+                "samples": [5, 17, 90],
+                "step": 12,
+                "values": {"grad_norm": f(float("inf")), "loss": f(float("nan"))},
+            },
+            {"reason": "spike", "samples": [], "shard": "3", "step": 30, "values": {"loss": f(9.5), "mean": f(2.25)}},
+            {"reason": "manual", "samples": [0], "step": 31, "values": {}},
+        ],
+    }
+    return doc
+
+
 def multi_file() -> dict[str, Any]:
     tensors = {f"layer{i}.w": tensor("F32", [4, 4], seed=i) for i in range(5)}
     return document(
@@ -453,6 +474,13 @@ VALID: tuple[Valid, ...] = (
         ("TEN-1", "TEN-19", "TEN-21", "SAF-6", "SAF-9"),
         "Every dtype of the table, 0-d and empty tensors.",
         dtypes_all,
+    ),
+    Valid(
+        "training-quarantine",
+        ("FLD-13",),
+        "A data field whose quarantine record has sample entries (values NaN and Infinity: allowed outside config) "
+        "and a shard entry, the shard also in quarantined_shards.",
+        training_quarantine,
     ),
     Valid("multi-file", ("MAN-16",), "A field spread over several data files.", multi_file),
     Valid(

@@ -23,6 +23,7 @@ from ckptfmt.canonical import config_hash, manifest_bytes
 from ckptfmt.errors import CheckpointError
 from ckptfmt.paths import check_path
 from ckptfmt.profiles import PROFILES
+from ckptfmt.quarantine import writer_problem
 
 from .msgpack_scan import encoding_problems
 
@@ -228,6 +229,18 @@ def optional_members(out: Output) -> list[str]:
     return problems
 
 
+def quarantine_record(out: Output) -> list[str]:
+    """FLD-13: the data field's quarantine record, when there is one."""
+    if "data" not in out.contexts():
+        return []
+    with ckptfmt.open(out.root) as ckpt:
+        data = ckpt.read_context("data")
+    if "quarantine" not in data:
+        return []
+    problem = writer_problem(data["quarantine"], data.get("quarantined_shards", []))
+    return [] if problem is None else [problem]
+
+
 def config_hashes(out: Output) -> list[str]:
     if "config" not in out.contexts():
         return []
@@ -403,6 +416,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("CTX-8", blob_encoding("CTX-8")),
     ("CTX-10", blob_encoding("CTX-10")),
     ("FLD-1", optional_members),
+    ("FLD-13", quarantine_record),
     ("CFG-1", config_hashes),
     ("PRO-2", profile_fields),
     ("VER-1", version),

@@ -147,9 +147,10 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 195
+    assert len(result.spec) == 197
     assert result.by_tests == {
         "BLK-5",
+        "FLD-14",
         "REF-13",
         "REF-14",
         "COM-17",

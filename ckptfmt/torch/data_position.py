@@ -169,6 +169,8 @@ def check_restorable(source: Any, data: Mapping[str, Any]) -> None:
         )
     if ours and not written_by_us:
         raise ContextError("data field was not written by a ResumableSampler or ResumableDataLoader", field="data")
+    if ours:
+        target.check_state_dict(data)  # the whole position, quarantine record included, before anything is applied
 
 
 def restore_data(source: Any, data: Mapping[str, Any]) -> None:

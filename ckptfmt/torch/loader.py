@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from ..errors import UsageError
+from ..quarantine import QuarantineEntry
 from .sampler import DatasetIdentity, Plan, ResumableSampler, default_rank_world
 
 log = logging.getLogger("ckptfmt")
@@ -132,6 +133,7 @@ class ResumableDataLoader(DataLoader[T]):
         self.user_dataset = dataset
         self.seed = seed
         self._per_batch = per_batch
+        self._last_batch: list[int] = []
 
     @property
     def epoch(self) -> int:
@@ -179,8 +181,13 @@ class ResumableDataLoader(DataLoader[T]):
             return
         if it.plan is not plan:
             it.plan, it.batches = plan, 0
+        before = min(it.batches * self._per_batch, plan.per_rank)
         it.batches += 1
         taken = min(it.batches * self._per_batch, plan.per_rank)
+        # Every rank took its share of the plan's positions [before, taken) * world_size, round-robin: together,
+        # that slice of the global order (read before move_to, which may end the epoch).
+        positions = plan.positions[before * plan.world_size : taken * plan.world_size]
+        self._last_batch = sampler._permutation()[positions].tolist() if plan.epoch == sampler.epoch else []
         sampler.move_to(plan, taken)
         left = plan.per_rank - taken
         if plan.epoch == sampler.epoch and (left == 0 or (self.drop_last and left < self._per_batch)):
@@ -202,6 +209,40 @@ class ResumableDataLoader(DataLoader[T]):
         """Continue at a saved global position (written on any number of ranks, by this loader or a
         :class:`ResumableSampler`); the batch size may differ."""
         self.resumable_sampler.load_state_dict(state)
+        self._last_batch = []
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse, changing nothing, a data field :meth:`load_state_dict` would refuse."""
+        self.resumable_sampler.check_state_dict(state)
+
+    def last_batch_samples(self) -> list[int]:
+        """The dataset indices of the global batch handed out last, every rank's part together, in the global order
+        (rank ``r``'s samples are every ``world_size``-th from ``r``); empty before the first batch and after a
+        :meth:`load_state_dict`. Every rank computes the same list, from the plan, without communicating."""
+        return list(self._last_batch)
+
+    def quarantine_samples(
+        self, indices: Sequence[int], *, step: int, reason: str, values: Mapping[str, float] | None = None
+    ) -> None:
+        """Leave ``indices`` out from the next iterator on (the epoch in flight keeps its order), and record it
+        (:meth:`ResumableSampler.quarantine_samples`)."""
+        self.resumable_sampler.quarantine_samples(indices, step=step, reason=reason, values=values)
+
+    def quarantine(
+        self,
+        shard: str | int,
+        *,
+        step: int | None = None,
+        reason: str | None = None,
+        values: Mapping[str, float] | None = None,
+    ) -> None:
+        """Leave ``shard`` out from the next iterator on (:meth:`ResumableSampler.quarantine`)."""
+        self.resumable_sampler.quarantine(shard, step=step, reason=reason, values=values)
+
+    @property
+    def quarantine_record(self) -> tuple[QuarantineEntry, ...]:
+        """Every quarantine recorded so far, oldest first (the ``data`` field's ``quarantine``)."""
+        return self.resumable_sampler.quarantine_record
 
 
 class _Handed(Iterator[T]):

@@ -1,7 +1,7 @@
 """Exact data sharding across torchft replica groups that leave and join the run: :class:`ReplicaBatches`.
 
 The rule. The global sample order is :class:`~ckptfmt.torch.ResumableSampler`'s: each epoch a permutation seeded by
-``np.random.PCG64([seed, epoch])`` (the identity without ``shuffle``), quarantined shards left out. A *global batch*
+``np.random.PCG64([seed, epoch])`` (the identity without ``shuffle``), quarantined ones left out. A *global batch*
 is ``batch_size * group_size`` consecutive samples of that order. A step that commits with ``P`` participating replica
 groups consumes exactly ``P`` global batches: the group of participating rank ``r`` (``0 <= r < P``) takes global batch
 ``committed_batches + r``, and rank ``g`` of that group takes its samples ``[g * batch_size, (g + 1) * batch_size)``.
@@ -23,11 +23,12 @@ input to the rule, must be the same on every group.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from ..errors import ContextError, UsageError
+from ..quarantine import QuarantineEntry
 from .sampler import DatasetIdentity, ResumableSampler
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class ReplicaBatches:
         self.batch_size, self.group_rank, self.group_size = batch_size, group_rank, group_size
         self._committed = 0
         self._record: list[StepRecord] = []
-        self._step_quarantine: frozenset[str] | None = None  # the quarantine the step in flight was handed under
+        self._step_quarantine: tuple[frozenset[str], int] | None = None  # what the step in flight was handed under
 
     @property
     def dataset(self) -> DatasetIdentity | None:
@@ -125,7 +126,7 @@ class ReplicaBatches:
         """This rank's sample indices for the step about to run (rank 0's batch when ``replica_rank`` is None).
         Nothing moves."""
         self._check(replica_rank, participants)
-        self._step_quarantine = frozenset(self._order.quarantined)
+        self._step_quarantine = self._order._exclusion()
         _, window = self._window(participants)
         first = ((replica_rank or 0) * self.group_size + self.group_rank) * self.batch_size
         return window[first : first + self.batch_size]
@@ -136,16 +137,13 @@ class ReplicaBatches:
         self._check(replica_rank, participants)
         if not _count(step) or (self._record and step <= self._record[-1].step):
             raise UsageError(f"step {_show(step)} is not after the last committed one: each step commits once")
-        order, current = self._order, self._order.quarantined
-        if self._step_quarantine is not None:  # exactly what the step was handed, not what a later quarantine leaves
-            order.quarantined = set(self._step_quarantine)
-        try:
+        order = self._order
+        # exactly what the step was handed, not what a later quarantine leaves
+        with order._excluding(self._step_quarantine or order._exclusion()):
             next_epoch, _ = self._window(participants)
             if next_epoch:
                 order.next_epoch()
             order.advance(participants * self.batch_size * self.group_size)
-        finally:
-            order.quarantined = current
         self._step_quarantine = None
         self._record.append(
             StepRecord(step=step, participants=participants, replica_rank=replica_rank, first_batch=self._committed)
@@ -161,12 +159,32 @@ class ReplicaBatches:
         """Drop the entries of steps up to ``through_step`` (a durable save holds the state after them)."""
         self._record = [r for r in self._record if r.step > through_step]
 
-    def quarantine(self, shard: str | int) -> None:
-        """Leave every remaining sample of ``shard`` (``str(index // shard_size)``) out, from the next step on."""
+    def quarantine(
+        self,
+        shard: str | int,
+        *,
+        step: int | None = None,
+        reason: str | None = None,
+        values: Mapping[str, float] | None = None,
+    ) -> None:
+        """Leave every remaining sample of ``shard`` (``str(index // shard_size)``) out, from the next step on; with
+        ``step`` and ``reason``, recorded (:meth:`ResumableSampler.quarantine`)."""
         name = str(shard)
         if not (name.isascii() and name.isdigit()) or int(name) * self._order.shard_size >= self._order.num_samples:
             raise UsageError(f"no shard {name!r}: shards are named str(index // shard_size)")
-        self._order.quarantine(name)
+        self._order.quarantine(name, step=step, reason=reason, values=values)
+
+    def quarantine_samples(
+        self, indices: Sequence[int], *, step: int, reason: str, values: Mapping[str, float] | None = None
+    ) -> None:
+        """Leave the dataset indices ``indices`` out from the next step on, and record it
+        (:meth:`ResumableSampler.quarantine_samples`). Like every input to the rule, the same on every group."""
+        self._order.quarantine_samples(indices, step=step, reason=reason, values=values)
+
+    @property
+    def quarantine_record(self) -> tuple[QuarantineEntry, ...]:
+        """Every quarantine recorded so far, oldest first (the ``data`` field's ``quarantine``)."""
+        return self._order.quarantine_record
 
     def _check(self, replica_rank: int | None, participants: int) -> None:
         if type(participants) is not int or participants < 1:
@@ -242,10 +260,11 @@ class ReplicaBatches:
         ):
             raise ContextError("quarantined_shards must name shards as decimal integers", field="data")
         keys = ("seed", "shuffle", "num_samples", "shard_size", "position")
-        inner = {key: state[key] for key in ("epoch", "global_sample_offset", "quarantined_shards") if key in state}
+        copied = ("epoch", "global_sample_offset", "quarantined_shards", "quarantine")
+        inner = {key: state[key] for key in copied if key in state}
         inner["sampler"] = {"kind": "ckptfmt.resumable", **{key: sampler[key] for key in keys if key in sampler}}
         # The rest is ResumableSampler's own check, run on a scratch copy so that nothing here changes.
         order = self._order
         scratch = ResumableSampler(order.num_samples, seed=order.seed, rank=0, world_size=1, shuffle=order.shuffle)
-        scratch.load_state_dict(inner)
+        scratch.check_state_dict(inner)
         return inner, committed, record

@@ -1,7 +1,8 @@
 """A deterministic, resumable, rank-aware sampler whose position is what the trainer consumed.
 
 Each epoch's global order is a seeded permutation of the dataset (identity when not shuffling),
-with the samples of quarantined shards left out from the moment they are quarantined. Ranks take
+with quarantined samples and the samples of quarantined shards left out from the moment they are
+quarantined (the quarantine record, :mod:`ckptfmt.quarantine`, says which, from which step and why). Ranks take
 that global order round-robin, so the order survives a change of world size on resume: the
 position on disk is global (samples of the global order consumed by all ranks together, plus
 epoch and seed), never a rank's own. The position advances only when the trainer says it
@@ -16,6 +17,7 @@ import hashlib
 import inspect
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from ..canonical import canonical_json
 from ..errors import ContextError, UsageError
+from ..quarantine import QuarantineEntry, new_entry, parse_record, samples_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +63,7 @@ class Plan:
     start_consumed: int
     world_size: int
     quarantined: frozenset[str] = frozenset()  # the shards left out of this plan
+    record_length: int = 0  # the entries of the quarantine record whose samples this plan leaves out
 
     @property
     def per_rank(self) -> int:
@@ -110,6 +114,10 @@ class ResumableSampler:
         # Shards a quarantine added after the plan in flight was made still appear in it; a resume into
         # that plan must leave out only what it left out (see state_dict's "plan_quarantined").
         self._next_plan_quarantined: set[str] | None = None
+        self._record: list[QuarantineEntry] = []  # the quarantine record, oldest first
+        self._bad_samples: np.ndarray[Any, Any] = np.empty(0, np.int64)  # every sample the record names, ascending
+        self._next_plan_record: int | None = None  # as _next_plan_quarantined, for the record's samples
+        self._record_limit: int | None = None  # while set (_excluding), only that many entries' samples count
         self._spent: tuple[Plan, int] | None = None  # a plan handed out to its end, and the moves count then
         self._live: weakref.ReferenceType[Generator[int, None, None]] | None = None
         self._perm_epoch = -1
@@ -130,14 +138,42 @@ class ResumableSampler:
     def shard_of(self, index: int) -> str:
         return str(int(index) // self.shard_size)
 
-    def _remaining_positions(self, quarantined: set[str] | None = None) -> np.ndarray[Any, Any]:
-        """Positions (into the permutation) from the current one on, quarantined shards left out."""
+    def _samples_left_out(self, entries: int | None = None) -> np.ndarray[Any, Any]:
+        """The samples the first ``entries`` entries of the record name (default: all, or the _excluding limit)."""
+        if entries is None:
+            entries = len(self._record) if self._record_limit is None else self._record_limit
+        return self._bad_samples if entries >= len(self._record) else samples_of(self._record[:entries])
+
+    def _remaining_positions(
+        self, quarantined: set[str] | frozenset[str] | None = None, entries: int | None = None
+    ) -> np.ndarray[Any, Any]:
+        """Positions (into the permutation) from the current one on, quarantined shards and samples left out."""
+        return self._positions_from(self.position, len(self._permutation()), quarantined, entries)
+
+    def _first_remaining(self, count: int) -> np.ndarray[Any, Any]:
+        """The first ``count`` of :meth:`_remaining_positions` (fewer at the end of the epoch), looking at about as
+        many positions as it returns: once per step, on a dataset of any size."""
+        end, start, window = len(self._permutation()), self.position, max(2 * count, 1024)
+        found: list[np.ndarray[Any, Any]] = []
+        have = 0
+        while start < end and have < count:
+            stop = min(end, start + window)
+            found.append(self._positions_from(start, stop))
+            start, window, have = stop, 2 * window, have + len(found[-1])
+        return np.concatenate(found)[:count] if found else np.empty(0, np.int64)
+
+    def _positions_from(
+        self, start: int, stop: int, quarantined: set[str] | frozenset[str] | None = None, entries: int | None = None
+    ) -> np.ndarray[Any, Any]:
         perm = self._permutation()
-        positions = np.arange(self.position, len(perm), dtype=np.int64)
+        positions = np.arange(start, stop, dtype=np.int64)
         quarantined = self.quarantined if quarantined is None else quarantined
         if quarantined:
             bad = np.array(sorted(int(s) for s in quarantined), dtype=np.int64)
             positions = positions[~np.isin(perm[positions] // self.shard_size, bad)]
+        samples = self._samples_left_out(entries)
+        if len(samples):  # both sides hold each index once: a permutation's values, the record's samples
+            positions = positions[~np.isin(perm[positions], samples, assume_unique=True)]
         return positions
 
     def __iter__(self) -> Iterator[int]:
@@ -155,8 +191,9 @@ class ResumableSampler:
             # an empty one forever.
             self.next_epoch()
         quarantined = self.quarantined if self._next_plan_quarantined is None else self._next_plan_quarantined
-        self._next_plan_quarantined = None
-        positions = self._remaining_positions(quarantined)
+        entries = len(self._record) if self._next_plan_record is None else self._next_plan_record
+        self._next_plan_quarantined = self._next_plan_record = None
+        positions = self._remaining_positions(quarantined, entries)
         usable = len(positions) - len(positions) % self.world_size  # every rank takes the same number of steps
         self.plan = Plan(
             epoch=self.epoch,
@@ -164,6 +201,7 @@ class ResumableSampler:
             start_consumed=self.consumed,
             world_size=self.world_size,
             quarantined=frozenset(quarantined),
+            record_length=entries,
         )
         mine = self._permutation()[positions[self.rank : usable : self.world_size]].tolist()
         gen = self._hand_out(mine, self.plan)
@@ -198,8 +236,9 @@ class ResumableSampler:
         return len(self._remaining_positions()) // self.world_size
 
     def upcoming(self, count: int, *, from_next_epoch: bool = False) -> list[int]:
-        """Read-only: the sample indices of the next ``count`` samples of the global order, quarantined shards left
-        out (fewer where the epoch ends first); with ``from_next_epoch``, the first ``count`` of the next epoch."""
+        """Read-only: the sample indices of the next ``count`` samples of the global order, quarantined samples and
+        shards left out (fewer where the epoch ends first); with ``from_next_epoch``, the first ``count`` of the next
+        epoch."""
         if not from_next_epoch:
             return list(self._permutation()[self._remaining_positions()[:count]].tolist())
         saved = self.epoch, self.position, self.consumed
@@ -217,16 +256,12 @@ class ResumableSampler:
             raise UsageError("cannot advance by a negative count")
         self.moves += 1
         needed = samples_per_rank * self.world_size
-        perm = self._permutation()
-        bad = {int(s) for s in self.quarantined}
-        pos = self.position
-        while needed and pos < len(perm):
-            if not bad or int(perm[pos]) // self.shard_size not in bad:
-                needed -= 1
-                self.consumed += 1
-            pos += 1
-        self.position = pos
-        if len(self._remaining_positions()) < self.world_size:  # the epoch is used up
+        if needed:
+            positions = self._first_remaining(needed)
+            taken = len(positions)
+            self.position = int(positions[-1]) + 1 if taken == needed else len(self._permutation())
+            self.consumed += taken
+        if len(self._first_remaining(self.world_size)) < self.world_size:  # the epoch is used up
             self.next_epoch()
 
     def move_to(self, plan: Plan, per_rank: int) -> None:
@@ -243,13 +278,80 @@ class ResumableSampler:
     def next_epoch(self) -> None:
         self.epoch, self.position, self.consumed = self.epoch + 1, 0, 0
 
-    def quarantine(self, shard: str | int) -> None:
+    def quarantine(
+        self,
+        shard: str | int,
+        *,
+        step: int | None = None,
+        reason: str | None = None,
+        values: Mapping[str, float] | None = None,
+    ) -> None:
         """Skip every remaining sample of ``shard`` from the next iterator on (e.g. it yielded NaN).
 
         An iterator already running (a ResumableDataLoader's epoch in flight) keeps its order; a resume
         into it does too, and leaves the shard out from the next iterator on, as the original run did.
+        With ``step`` and ``reason`` (both or neither) the quarantine record gains an entry for the shard,
+        unless one already names it; the shard must then be ``str(index // shard_size)`` of some index.
         """
-        self.quarantined.add(str(shard))
+        name = str(shard)
+        if step is None and reason is None:
+            self.quarantined.add(name)
+            return
+        if step is None or reason is None:
+            raise UsageError("give both step= and reason= to record a quarantine, or neither")
+        if (
+            not (name.isascii() and name.isdigit() and len(name) < 20)
+            or int(name) * self.shard_size >= self.num_samples
+        ):
+            raise UsageError(f"no shard {name!r}: shards are named str(index // shard_size)")
+        entry = new_entry(step=step, reason=reason, values=values, shard=name)
+        self.quarantined.add(name)
+        if all(e.shard != name for e in self._record):
+            self._record.append(entry)
+
+    def quarantine_samples(
+        self, indices: Sequence[int], *, step: int, reason: str, values: Mapping[str, float] | None = None
+    ) -> None:
+        """Leave the dataset indices ``indices`` out of the global order from the next iterator on, and record it.
+
+        As :meth:`quarantine`: an iterator in flight keeps its order, and so does a resume into it. ``step``: the
+        training step whose loss or gradients tripped it; ``reason``: one of :data:`ckptfmt.quarantine.REASONS`;
+        ``values``: what tripped it (``{"loss": nan}``), real numbers, NaN and infinities included. A sample already
+        quarantined keeps its first entry; a call that adds no new sample adds no entry.
+        """
+        if isinstance(indices, (str, bytes)) or not all(type(i) is int or isinstance(i, np.integer) for i in indices):
+            raise UsageError("indices must be a sequence of integer dataset indices")
+        wanted = sorted({int(i) for i in indices})
+        if not wanted:
+            raise UsageError("quarantine_samples needs at least one index")
+        if wanted[0] < 0 or wanted[-1] >= self.num_samples:
+            raise UsageError(f"dataset indices must be in [0, {self.num_samples}), got {wanted[0]}..{wanted[-1]}")
+        new = np.setdiff1d(np.asarray(wanted, dtype=np.int64), self._bad_samples, assume_unique=True)
+        entry = new_entry(step=step, reason=reason, values=values, samples=[int(i) for i in new])
+        if not entry.samples:
+            return
+        self._record.append(entry)
+        self._bad_samples = np.union1d(self._bad_samples, new)
+
+    @property
+    def quarantine_record(self) -> tuple[QuarantineEntry, ...]:
+        """Every quarantine recorded so far, oldest first (what the ``data`` field's ``quarantine`` holds)."""
+        return tuple(self._record)
+
+    def _exclusion(self) -> tuple[frozenset[str], int]:
+        """What the order leaves out now: the quarantined shards, and how many record entries' samples."""
+        return frozenset(self.quarantined), len(self._record)
+
+    @contextmanager
+    def _excluding(self, exclusion: tuple[frozenset[str], int]) -> Iterator[None]:
+        """Within the block, leave out what ``exclusion`` (an earlier :meth:`_exclusion`) left out, not what is
+        quarantined now."""
+        saved = self.quarantined, self._record_limit
+        self.quarantined, self._record_limit = set(exclusion[0]), exclusion[1]
+        try:
+            yield
+        finally:
+            self.quarantined, self._record_limit = saved
 
     def set_epoch(self, epoch: int) -> None:
         """DistributedSampler compatibility: jump to the start of ``epoch`` unless already in it."""
@@ -285,9 +387,18 @@ class ResumableSampler:
             },
             "quarantined_shards": _sorted(self.quarantined),
         }
+        if self._record:
+            state["quarantine"] = [entry.to_dict() for entry in self._record]
+        # What the plan in flight leaves out, where a quarantine came after it (a resume into it leaves out that
+        # only); with no plan yet since a resume, what the resumed plan will leave out.
         plan = self.plan
-        if plan is not None and plan.epoch == self.epoch and plan.quarantined != self.quarantined:
-            state["sampler"]["plan_quarantined"] = _sorted(plan.quarantined)
+        in_flight = plan is not None and plan.epoch == self.epoch
+        shards = plan.quarantined if plan is not None and in_flight else self._next_plan_quarantined
+        if shards is not None and shards != self.quarantined:
+            state["sampler"]["plan_quarantined"] = _sorted(shards)
+        entries = plan.record_length if plan is not None and in_flight else self._next_plan_record
+        if entries is not None and any(e.samples for e in self._record[entries:]):
+            state["sampler"]["plan_record"] = entries
         if self.dataset is not None:
             state["dataset"] = self.dataset.to_dict()
         return state
@@ -299,6 +410,24 @@ class ResumableSampler:
         """
         if self.live:
             raise UsageError("cannot load a data position while an iterator over the sampler is live")
+        loaded = self._parse(state)
+        self.shard_size, self.epoch, self.consumed, self.position = loaded.shard_size, loaded.epoch, *loaded.at
+        self.quarantined = loaded.quarantined
+        self._next_plan_quarantined = loaded.next_plan
+        self._record = list(loaded.record)
+        self._bad_samples = samples_of(loaded.record)
+        self._next_plan_record = loaded.next_plan_record
+        self._record_limit = None
+        self.handed_out = self.moves = 0
+        self.plan = None
+        self._perm_epoch = -1
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse, changing nothing, a data field :meth:`load_state_dict` would refuse (ContextError naming the
+        member)."""
+        self._parse(state)
+
+    def _parse(self, state: Mapping[str, Any]) -> _Loaded:
         sampler = state.get("sampler")
         if not isinstance(sampler, Mapping) or sampler.get("kind") != "ckptfmt.resumable":
             raise ContextError("data field was not written by a ResumableSampler", field="data")
@@ -326,12 +455,37 @@ class ResumableSampler:
         quarantined = set(_strings(state.get("quarantined_shards", [])))
         in_plan = sampler.get("plan_quarantined")
         next_plan = set(_strings(in_plan)) if in_plan is not None else None
-        self.shard_size, self.epoch, self.consumed, self.position = shard_size, epoch, consumed, position
-        self.quarantined = quarantined
-        self._next_plan_quarantined = next_plan
-        self.handed_out = self.moves = 0
-        self.plan = None
-        self._perm_epoch = -1
+        stored = state.get("quarantine", [])
+        record = parse_record(stored, quarantined_shards=quarantined, num_samples=self.num_samples)
+        plan_record = sampler.get("plan_record")
+        if plan_record is not None and (type(plan_record) is not int or not 0 <= plan_record <= len(record)):
+            raise ContextError(
+                f"sampler.plan_record must be an integer in [0, {len(record)}] (entries of quarantine), "
+                f"got {plan_record!r}",
+                field="data",
+            )
+        return _Loaded(
+            shard_size=shard_size,
+            epoch=epoch,
+            at=(consumed, position),
+            quarantined=quarantined,
+            next_plan=next_plan,
+            record=record,
+            next_plan_record=plan_record,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Loaded:
+    """A checked ``data`` field, ready to apply."""
+
+    shard_size: int
+    epoch: int
+    at: tuple[int, int]  # (consumed, position)
+    quarantined: set[str]
+    next_plan: set[str] | None
+    record: tuple[QuarantineEntry, ...]
+    next_plan_record: int | None
 
 
 def _sorted(shards: set[str] | frozenset[str]) -> list[str]:
