@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from ckptfmt.errors import UsageError
 from ckptfmt.torch import CheckpointManager, MemoryOptions, ResumableDataLoader, TrainingState
-from ckptfmt.torch.guard import GuardEvent, GuardOptions, SpikeRule
+from ckptfmt.torch.guard import GuardError, GuardEvent, GuardOptions, SpikeRule
 
 Fault = Callable[[int, int, torch.Tensor], torch.Tensor]  # (step, attempt, loss) -> loss
 
@@ -107,3 +107,11 @@ def test_a_guard_without_the_memory_tier_is_refused(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "run", guard=GuardOptions(), preemption_signals=())
     with pytest.raises(UsageError, match="policy"):
         GuardOptions(policy="everything")  # type: ignore[arg-type]
+
+
+def test_a_guard_that_trips_on_every_step_stops_with_an_error_naming_its_policy(tmp_path: Path) -> None:
+    def always(step: int, loss: float, norm: float | None) -> str:
+        return "the predicate says so"
+
+    with pytest.raises(GuardError, match=r"max_rollbacks=2.*policy='batch'"):
+        train(tmp_path, guard=GuardOptions(predicate=always, max_rollbacks=2))

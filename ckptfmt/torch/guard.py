@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -123,6 +124,7 @@ class GuardEvent:
     samples: tuple[int, ...] = ()
     shards: tuple[str, ...] = ()
     node: str = ""
+    phases: Mapping[str, float] = field(default_factory=dict)  # seconds: detect, agree, restore
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,8 +174,11 @@ class StepGuard:
         self.events: list[GuardEvent] = []
 
     def check(self, step: int, state: Any, *, loss: float, grad_norm: float | None, source: Any) -> GuardVerdict:
+        started = time.perf_counter()
         mine = self._judge(step, loss, grad_norm)
+        judged = time.perf_counter()
         decision = decide(self.collective, mine, _any_trip, what="the guard's verdict", max_size=MAX_GUARD_MESSAGE)
+        phases = {"detect": judged - started, "agree": time.perf_counter() - judged}
         pending = self._pending
         if not decision["trip"]:
             self._losses[step] = loss
@@ -181,9 +186,13 @@ class StepGuard:
             if pending is not None and pending.step == step:
                 self._pending = None
                 event = GuardEvent(
-                    step=step, kind="transient", reason=pending.reason, ranks=pending.ranks,
-                    values=pending.values, node=self.node,
-                )  # fmt: skip
+                    step=step,
+                    kind="transient",
+                    reason=pending.reason,
+                    ranks=pending.ranks,
+                    values=pending.values,
+                    node=self.node,
+                )
                 return self._record(GuardVerdict(ok=True, rolled_back=False, step=step - 1, event=event))
             return GuardVerdict(ok=True, rolled_back=False, step=step - 1)
         ranks = tuple(int(r) for r in decision["ranks"])
@@ -192,17 +201,26 @@ class StepGuard:
         self._count_rollback(step, reason)
         if pending is not None and pending.step == step:  # the replay tripped again: the data is at fault
             samples, shards = self._quarantine(step, source, ranks, reason, values)
-            restored = self._restore(state, step)
+            restored = self._restore(state, step, phases)
             self._pending = None
             self._apply_quarantine(source, step, samples, shards, reason, values)
             event = GuardEvent(
-                step=step, kind="quarantined", reason=reason, ranks=ranks, values=values,
-                samples=samples, shards=shards, node=self.node,
-            )  # fmt: skip
+                step=step,
+                kind="quarantined",
+                reason=reason,
+                ranks=ranks,
+                values=values,
+                samples=samples,
+                shards=shards,
+                node=self.node,
+                phases=phases,
+            )
             return self._record(GuardVerdict(ok=False, rolled_back=True, step=restored, event=event))
-        restored = self._restore(state, step)
+        restored = self._restore(state, step, phases)
         self._pending = _Pending(step=step, reason=reason, ranks=ranks, values=values)
-        event = GuardEvent(step=step, kind="rolled_back", reason=reason, ranks=ranks, values=values, node=self.node)
+        event = GuardEvent(
+            step=step, kind="rolled_back", reason=reason, ranks=ranks, values=values, node=self.node, phases=phases
+        )
         return self._record(GuardVerdict(ok=False, rolled_back=True, step=restored, event=event))
 
     # ---------------------------------------------------------------- parts
@@ -236,8 +254,10 @@ class StepGuard:
             )
         self._rollbacks.append(step)
 
-    def _restore(self, state: Any, step: int) -> int:
+    def _restore(self, state: Any, step: int, phases: dict[str, float]) -> int:
+        started = time.perf_counter()
         restored = self._roll_back(state)
+        phases["restore"] = time.perf_counter() - started
         if restored >= step:
             raise GuardError(f"the rollback for step {step} restored step {restored}, not a step before it")
         for s in [s for s in self._losses if s > restored]:
@@ -293,8 +313,13 @@ class StepGuard:
                 what = f"samples {list(event.samples)}" if event.samples else f"shards {list(event.shards)}"
                 log.warning("step %d: bad data on %s (%s): %s quarantined", event.step, where, event.reason, what)
             else:
-                log.warning("step %d tripped the guard on %s (%s): rolled back to step %d, replaying", event.step,
-                            where, event.reason, verdict.step)  # fmt: skip
+                log.warning(
+                    "step %d tripped the guard on %s (%s): rolled back to step %d, replaying",
+                    event.step,
+                    where,
+                    event.reason,
+                    verdict.step,
+                )
         return verdict
 
 
