@@ -7,7 +7,9 @@ memory snapshot every step, ``mgr.guard`` between backward and optimizer step. O
 - ``--transient STEP:RANK``: that rank's loss is NaN at STEP on the first attempt only (a transient fault);
 - ``--quarantined I,J,...``: these samples are out of the order from the start (the clean run to compare with);
 - ``--total N``: train to step N (resuming from the run directory's newest checkpoint, if any);
-- ``--policy batch|shard``, ``--shard-size N``.
+- ``--policy batch|shard``, ``--shard-size N``;
+- ``--durable-every N``: a durable save every N steps (default: at ``--total``);
+- ``--die-after N``: every rank SIGKILLs itself once step N's durable save is done (the result file is up to date).
 
 Rank 0 writes OUT_DIR/result-<world>.json: the final parameters' digest, the guard's events, the data field's
 quarantine record, and the global batch of every committed step (``loader.last_batch_samples()``).
@@ -20,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,8 @@ def main() -> None:
     p.add_argument("--total", type=int, default=12)
     p.add_argument("--policy", default="batch")
     p.add_argument("--shard-size", type=int, default=None)
+    p.add_argument("--durable-every", type=int, default=None)
+    p.add_argument("--die-after", type=int, default=None)
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -91,10 +96,31 @@ def main() -> None:
             optimizer.zero_grad()
             step += 1
             batches[step] = loader.last_batch_samples()
-            mgr.checkpoint_if_due(step, state, every=args.total)
+            mgr.checkpoint_if_due(step, state, every=args.durable_every or args.total)
+            if step == args.die_after:
+                mgr.wait()
+                report(out, world, rank, model, mgr, loader, batches, step)
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
             if step >= args.total:
                 break
     mgr.wait()
+    report(out, world, rank, model, mgr, loader, batches, step)
+    mgr.close()
+    dist.destroy_process_group()
+    os._exit(0)  # no gloo teardown races at interpreter exit
+
+
+def report(
+    out: Path,
+    world: int,
+    rank: int,
+    model: nn.Module,
+    mgr: CheckpointManager,
+    loader: ResumableDataLoader[Any],
+    batches: dict[int, list[int]],
+    step: int,
+) -> None:
     if rank == 0:
         digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters())).hexdigest()
         result = {
@@ -115,9 +141,6 @@ def main() -> None:
             "batches": {str(k): v for k, v in batches.items()},
         }
         (out / f"result-{world}.json").write_text(json.dumps(result, default=str))
-    mgr.close()
-    dist.destroy_process_group()
-    os._exit(0)  # no gloo teardown races at interpreter exit
 
 
 if __name__ == "__main__":

@@ -13,10 +13,18 @@ from warm_ranks import WarmProcess
 
 
 def launch(
-    script: Path, args: Sequence[str], world: int, *, env: Sequence[Mapping[str, str]] = (), timeout: float = 180
+    script: Path,
+    args: Sequence[str],
+    world: int,
+    *,
+    env: Sequence[Mapping[str, str]] = (),
+    timeout: float = 180,
+    check: bool = True,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run ``script args`` once per rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* set, plus ``env[rank]``) and
-    wait for all; a rank that has not finished within ``timeout`` seconds kills them all and raises."""
+    wait for all; a rank that has not finished within ``timeout`` seconds kills them all and raises. ``check``: a
+    rank that exits non-zero raises (False: the caller looks at the return codes, e.g. of ranks that kill
+    themselves)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -49,5 +57,5 @@ def launch(
             said.append(f"--- rank {rank} ({state}):\n{proc.output()[-3000:]}")
         raise AssertionError(f"{script.name} on {world} ranks hung\n" + "\n".join(said)) from exc
     for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
+        assert not check or result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
     return results

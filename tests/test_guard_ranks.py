@@ -17,8 +17,10 @@ WORKER = Path(__file__).with_name("guard_worker.py")
 SAMPLES, SEED, PER_RANK = 240, 3, 4
 
 
-def run(out: Path, world: int, *args: str) -> dict[str, Any]:
-    launch(WORKER, [str(out), *args], world, timeout=240)
+def run(out: Path, world: int, *args: str, killed: bool = False) -> dict[str, Any]:
+    done = launch(WORKER, [str(out), *args], world, timeout=240, check=not killed)
+    if killed:
+        assert [r.returncode for r in done] == [-9] * world, [r.stdout[-2000:] for r in done]
     result: dict[str, Any] = json.loads((out / f"result-{world}.json").read_text())
     return result
 
@@ -56,11 +58,12 @@ def test_a_transient_fault_on_one_rank_is_replayed_and_costs_nothing(tmp_path: P
 
 def test_a_resume_on_another_world_size_skips_exactly_the_quarantined_samples(tmp_path: Path) -> None:
     bad = order()[5 * 2 * PER_RANK + 1]
-    first = run(tmp_path, 2, "--nan-sample", str(bad), "--total", "12")
+    args = ("--nan-sample", str(bad), "--total", "20", "--durable-every", "10")
+    first = run(tmp_path, 2, *args, "--die-after", "10", killed=True)  # SIGKILLed after step 10's durable save
     quarantined = set(first["events"][1]["samples"])
     second = run(tmp_path, 1, "--total", "20")  # the run directory's newest checkpoint, on one rank
     assert second["events"] == [] and len(second["record"]) == 1  # the record travels with the data position
-    seen = [i for step in range(1, 13) for i in first["batches"][str(step)]]
-    seen += [i for step in range(13, 21) for i in second["batches"][str(step)]]
+    seen = [i for step in range(1, 11) for i in first["batches"][str(step)]]
+    seen += [i for step in range(11, 21) for i in second["batches"][str(step)]]
     expected = [i for i in order() if i not in quarantined]
     assert seen == expected[: len(seen)]  # none skipped but the quarantined, none repeated
