@@ -16,7 +16,7 @@ from ckptfmt.errors import UsageError
 from ckptfmt.torch import CheckpointManager, MemoryOptions, ResumableDataLoader, TrainingState
 from ckptfmt.torch.guard import GuardError, GuardEvent, GuardOptions, SpikeRule
 
-Fault = Callable[[int, int, torch.Tensor], torch.Tensor]  # (step, attempt, loss) -> loss
+Fault = Callable[[int, int, torch.Tensor, list[int]], torch.Tensor]  # (step, attempt, loss, samples) -> loss
 
 
 def train(
@@ -26,12 +26,16 @@ def train(
     fault: Fault | None = None,
     guard: GuardOptions | None = None,
     quarantined: Iterable[int] = (),
+    durable_every: int = 1000,
 ) -> tuple[list[torch.Tensor], list[GuardEvent], CheckpointManager, ResumableDataLoader[Any]]:
     """A tiny run: a linear model, AdamW, a shuffling ResumableDataLoader, a memory snapshot every step."""
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     y = x.sum(1, keepdim=True)
-    loader: ResumableDataLoader[Any] = ResumableDataLoader(TensorDataset(x, y), batch_size=8, seed=3, shuffle=True)
+    index = torch.arange(len(x))
+    loader: ResumableDataLoader[Any] = ResumableDataLoader(
+        TensorDataset(x, y, index), batch_size=8, seed=3, shuffle=True
+    )
     for index in quarantined:  # the clean run to compare with: these samples never were in the order
         loader.resumable_sampler.quarantine_samples([index], step=0, reason="manual")
     model = nn.Linear(8, 1)
@@ -45,13 +49,13 @@ def train(
     )
     attempts: dict[int, int] = {}
     step = 0
-    mgr.checkpoint_if_due(0, state, every=1000)  # the state before step 1: a first step that trips rolls back here
+    mgr.checkpoint_if_due(0, state, every=durable_every)  # the state before step 1, for a first step that trips
     while step < total:
-        for xb, yb in loader:
+        for xb, yb, ib in loader:
             loss = nn.functional.mse_loss(model(xb), yb)
             attempts[step + 1] = attempts.get(step + 1, 0) + 1
             if fault is not None:
-                loss = fault(step + 1, attempts[step + 1], loss)
+                loss = fault(step + 1, attempts[step + 1], loss, ib.tolist())
             loss.backward()
             verdict = mgr.guard(step + 1, state, loss=loss)
             if verdict.rolled_back:
@@ -60,7 +64,7 @@ def train(
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            mgr.checkpoint_if_due(step, state, every=1000)
+            mgr.checkpoint_if_due(step, state, every=durable_every)
             if step >= total:
                 break
     events = mgr.guard_events
@@ -76,7 +80,7 @@ def test_a_transient_fault_is_rolled_back_replayed_and_the_run_ends_bit_identica
     mgr.close(persist=False)
     assert events == []
 
-    def once(step: int, attempt: int, loss: torch.Tensor) -> torch.Tensor:
+    def once(step: int, attempt: int, loss: torch.Tensor, samples: list[int]) -> torch.Tensor:
         return loss * math.nan if step == 5 and attempt == 1 else loss
 
     faulty, events, mgr, loader = train(tmp_path / "faulty", fault=once)
@@ -115,3 +119,27 @@ def test_a_guard_that_trips_on_every_step_stops_with_an_error_naming_its_policy(
 
     with pytest.raises(GuardError, match=r"max_rollbacks=2.*policy='batch'"):
         train(tmp_path, guard=GuardOptions(predicate=always, max_rollbacks=2))
+
+
+def test_policy_window_rolls_back_steps_and_skips_their_samples_as_a_run_that_never_had_them(tmp_path: Path) -> None:
+    order = ResumableDataLoader(TensorDataset(torch.zeros(256, 1)), batch_size=8, seed=3, shuffle=True)
+    first = order.resumable_sampler.upcoming(256)
+    bad = first[8 * 8 + 2]  # a sample of step 9
+
+    def poisoned(step: int, attempt: int, loss: torch.Tensor, samples: list[int]) -> torch.Tensor:
+        return loss * math.nan if bad in samples else loss
+
+    window = GuardOptions(policy="window", window_steps=3)
+    guarded, events, mgr, loader = train(tmp_path / "guarded", fault=poisoned, guard=window, durable_every=4)
+    mgr.close(persist=False)
+    assert [(e.step, e.kind) for e in events] == [(9, "rolled_back"), (9, "quarantined")]
+    skipped = list(events[1].samples)
+    back = events[1].restored  # the newest checkpoint of step 5 or older: a durable save (memory holds 7 and 8)
+    assert back is not None and back <= 9 - 1 - 3
+    assert sorted(skipped) == sorted(first[back * 8 : 9 * 8])  # every sample from there to the end of step 9
+    (entry,) = loader.quarantine_record
+    assert entry.reason == "window" and entry.step == 9 and list(entry.samples) == sorted(skipped)
+
+    clean, events, mgr, _ = train(tmp_path / "clean", quarantined=skipped)
+    mgr.close(persist=False)
+    assert events == [] and same(clean, guarded)

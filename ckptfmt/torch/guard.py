@@ -46,7 +46,7 @@ from ..decide import decide
 from ..errors import CheckpointError, MalformedMessageError, UsageError
 
 log = logging.getLogger("ckptfmt")
-Policy = Literal["batch", "shard"]
+Policy = Literal["batch", "shard", "window"]
 Reason = Literal["nonfinite", "spike", "predicate"]
 MAX_GUARD_MESSAGE = 64 << 10
 
@@ -101,12 +101,15 @@ class GuardOptions:
     spike: SpikeRule | None = None
     predicate: Predicate | None = None
     policy: Policy = "batch"
+    window_steps: int = 0
     max_rollbacks: int = 3
     per_steps: int = 100
 
     def __post_init__(self) -> None:
-        if self.policy not in ("batch", "shard"):
-            raise UsageError(f"guard policy must be 'batch' or 'shard', not {self.policy!r}")
+        if self.policy not in ("batch", "shard", "window"):
+            raise UsageError(f"guard policy must be 'batch', 'shard' or 'window', not {self.policy!r}")
+        if (self.policy == "window") != (self.window_steps > 0):
+            raise UsageError("policy='window' rolls back window_steps >= 1 steps; the other policies take none")
         if self.max_rollbacks < 1 or self.per_steps < 1:
             raise UsageError("max_rollbacks and per_steps must be at least 1")
 
@@ -125,6 +128,7 @@ class GuardEvent:
     shards: tuple[str, ...] = ()
     node: str = ""
     phases: Mapping[str, float] = field(default_factory=dict)  # seconds: detect, agree, restore
+    restored: int | None = None  # the step the state was rolled back to (None: no rollback)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,7 +164,7 @@ class StepGuard:
         options: GuardOptions,
         *,
         collective: Collective | None,
-        roll_back: Callable[[Any], int],
+        roll_back: Callable[[Any, int | None], int],
         node: str = "",
     ) -> None:
         self.options = options
@@ -200,10 +204,15 @@ class StepGuard:
         values = {k: float(v) for k, v in decision["values"].items()}
         self._count_rollback(step, reason)
         if pending is not None and pending.step == step:  # the replay tripped again: the data is at fault
-            samples, shards = self._quarantine(step, source, ranks, reason, values)
-            restored = self._restore(state, step, phases)
+            samples: tuple[int, ...]
+            shards: tuple[str, ...] = ()
+            if self.options.policy == "window":
+                restored, samples = self._skip_window(state, step, source, phases, values)
+            else:
+                samples, shards = self._quarantine(step, source, ranks, reason, values)
+                restored = self._restore(state, step, phases)
+                self._apply_quarantine(source, step, samples, shards, reason, values)
             self._pending = None
-            self._apply_quarantine(source, step, samples, shards, reason, values)
             event = GuardEvent(
                 step=step,
                 kind="quarantined",
@@ -214,12 +223,20 @@ class StepGuard:
                 shards=shards,
                 node=self.node,
                 phases=phases,
+                restored=restored,
             )
             return self._record(GuardVerdict(ok=False, rolled_back=True, step=restored, event=event))
         restored = self._restore(state, step, phases)
         self._pending = _Pending(step=step, reason=reason, ranks=ranks, values=values)
         event = GuardEvent(
-            step=step, kind="rolled_back", reason=reason, ranks=ranks, values=values, node=self.node, phases=phases
+            step=step,
+            kind="rolled_back",
+            reason=reason,
+            ranks=ranks,
+            values=values,
+            node=self.node,
+            phases=phases,
+            restored=restored,
         )
         return self._record(GuardVerdict(ok=False, rolled_back=True, step=restored, event=event))
 
@@ -254,9 +271,27 @@ class StepGuard:
             )
         self._rollbacks.append(step)
 
-    def _restore(self, state: Any, step: int, phases: dict[str, float]) -> int:
+    def _skip_window(
+        self, state: Any, step: int, source: Any, phases: dict[str, float], values: Mapping[str, float]
+    ) -> tuple[int, tuple[int, ...]]:
+        """Policy "window" (as PaLM did): roll back ``window_steps`` steps or more before the bad one (the newest
+        checkpoint that old, in memory or on disk), and quarantine every sample from there to the end of the bad
+        step. A window that starts in the epoch before the bad step's skips only its part in the bad step's epoch."""
+        sampler = getattr(source, "resumable_sampler", source)
+        epoch, consumed = sampler.epoch, sampler.consumed  # the end of the bad step's batch
+        restored = self._restore(state, step, phases, at_most=step - 1 - self.options.window_steps)
+        window: list[int] = []
+        if sampler.epoch == epoch and sampler.consumed < consumed:
+            window = sampler.upcoming(consumed - sampler.consumed)
+        elif sampler.epoch == epoch - 1 and consumed:
+            window = sampler.upcoming(consumed, from_next_epoch=True)
+        if window:
+            source.quarantine_samples(sorted(window), step=step, reason="window", values=dict(values))
+        return restored, tuple(sorted(window))
+
+    def _restore(self, state: Any, step: int, phases: dict[str, float], at_most: int | None = None) -> int:
         started = time.perf_counter()
-        restored = self._roll_back(state)
+        restored = self._roll_back(state, at_most)
         phases["restore"] = time.perf_counter() - started
         if restored >= step:
             raise GuardError(f"the rollback for step {step} restored step {restored}, not a step before it")

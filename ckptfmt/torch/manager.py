@@ -377,18 +377,19 @@ class CheckpointManager:
         """What the guard did so far, oldest first."""
         return list(self._guard.events) if self._guard is not None else []
 
-    def _roll_back(self, state: TrainingState) -> int:
-        """Restore the newest memory snapshot (the state before the step that tripped the guard); its step."""
+    def _roll_back(self, state: TrainingState, at_most: int | None = None) -> int:
+        """Restore the newest memory snapshot (the state before the step that tripped the guard), or the newest
+        checkpoint of step ``at_most`` or older (a rollback several steps back); its step."""
         self.wait_memory()
         source = api.data_source(sampler=state.sampler, loader=state.loader) or self._lineage.loader
         sampler = getattr(source, "resumable_sampler", source)
         end = getattr(sampler, "end_iterator", None)
         if end is not None:
             end()  # the loop's iterator hands out nothing more: the loop starts a new one at the restored position
-        report = self._restorer.restore(state)
+        report = self._restorer.restore(state, at_most=at_most)
         if report is None or self._lineage.step is None:
             raise GuardError("the guard tripped, but there is no snapshot to roll back to")
-        if report.tier == "durable":
+        if report.tier == "durable" and at_most is None:
             log.warning("the guard rolled back from the run directory: the memory tier held no snapshot")
         self.last_restore = report
         if state.optimizer is not None:

@@ -88,14 +88,19 @@ class Restorer:
         self._agreed: AgreedRestore | None = None  # the restore across nodes in progress
         self._agree_seconds = 0.0
 
-    def restore(self, state: TrainingState, *, skip_fields: Sequence[str] = ()) -> RestoreReport | None:
-        """Resume from the newest checkpoint every rank can use; its report, or None when there is none."""
+    def restore(
+        self, state: TrainingState, *, skip_fields: Sequence[str] = (), at_most: int | None = None
+    ) -> RestoreReport | None:
+        """Resume from the newest checkpoint every rank can use; its report, or None when there is none.
+        ``at_most``: only a checkpoint of that step or an older one (a rollback several steps back)."""
         started = time.perf_counter()
         state = state.with_loader(self.lineage.loader)
         if self.memory is not None and state.optimizer is not None:
             self.memory.check_capacity(estimated_state_bytes(state.model, state.optimizer))
         skipped: list[str] = []
         for candidate in self.candidates():
+            if at_most is not None and (candidate.step is None or candidate.step > at_most):
+                continue  # newer than the rollback asks for: not a candidate, not a failure
             if candidate.status != "committed":
                 log.warning("skipping %s: %s", candidate.label, candidate.status)
                 skipped.append(f"{candidate.label}: {candidate.status}")
