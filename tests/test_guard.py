@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -143,3 +144,30 @@ def test_policy_window_rolls_back_steps_and_skips_their_samples_as_a_run_that_ne
     clean, events, mgr, _ = train(tmp_path / "clean", quarantined=skipped)
     mgr.close(persist=False)
     assert events == [] and same(clean, guarded)
+
+
+def test_a_spike_detector_that_trips_on_every_step_hits_the_cap(tmp_path: Path) -> None:
+    def growing(step: int, attempt: int, loss: torch.Tensor, samples: list[int]) -> torch.Tensor:
+        return loss * 0 + float(2**step)  # every loss far above the last ones: a spike from the warm-up on
+
+    spikes = GuardOptions(spike=SpikeRule(window=5, warmup=3, z=3.0), max_rollbacks=3, per_steps=50)
+    with pytest.raises(GuardError, match=r"step 4 tripped the guard \(spike: .*max_rollbacks=3.*policy='batch'"):
+        train(tmp_path, fault=growing, guard=spikes)
+
+
+def test_no_checkpoint_holds_a_state_that_tripped_the_guard(tmp_path: Path) -> None:
+    import ckptfmt
+
+    order = ResumableDataLoader(TensorDataset(torch.zeros(256, 1)), batch_size=8, seed=3, shuffle=True)
+    bad = order.resumable_sampler.upcoming(256)[4 * 8]  # a sample of step 5: bad data on every attempt
+
+    def poisoned(step: int, attempt: int, loss: torch.Tensor, samples: list[int]) -> torch.Tensor:
+        return loss * math.nan if bad in samples else loss
+
+    _, events, mgr, _ = train(tmp_path, fault=poisoned, durable_every=1)
+    mgr.close()
+    assert [e.kind for e in events] == ["rolled_back", "quarantined"]
+    for name in sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")):
+        with ckptfmt.open_checkpoint(tmp_path / "run" / name) as ckpt:
+            for tensor in ckpt.tensor_names("weights"):
+                assert np.isfinite(ckpt.read_tensor("weights", tensor)).all(), name
