@@ -47,6 +47,9 @@ class QuarantineEntry:
     shard: str | None = None
     reason: str
     values: Mapping[str, float] = field(default_factory=dict)
+    # the data position the entry's samples are left out from: (epoch, position in that epoch's order); None while
+    # it waits for the next pass over the data (a quarantine made during one applies from the next)
+    since: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
@@ -61,6 +64,8 @@ class QuarantineEntry:
         }
         if self.shard is not None:
             out["shard"] = self.shard
+        if self.since is not None:
+            out["from"] = {"epoch": self.since[0], "position": self.since[1]}
         return out
 
     @classmethod
@@ -93,7 +98,17 @@ class QuarantineEntry:
             if type(number) is not float and type(number) is not int:
                 raise _error(f"{where}.values[{name!r}] must be a float, got {_show(number)}")
             parsed[name] = float(number)
-        return cls(step=step, samples=samples, shard=shard, reason=reason, values=parsed)
+        since = value.get("from")
+        if since is not None:
+            epoch = since.get("epoch") if isinstance(since, Mapping) else None
+            position = since.get("position") if isinstance(since, Mapping) else None
+            if not isinstance(since, Mapping) or not all(
+                type(v) is int and 0 <= v < _MAX_STEP for v in (epoch, position)
+            ):
+                raise _error(f"{where}.from must be a map of integers epoch and position, each at least 0")
+            assert isinstance(epoch, int) and isinstance(position, int)
+            since = (epoch, position)
+        return cls(step=step, samples=samples, shard=shard, reason=reason, values=parsed, since=since)
 
 
 def parse_record(

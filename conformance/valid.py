@@ -144,7 +144,8 @@ def training_full() -> dict[str, Any]:
 
 
 def training_quarantine() -> dict[str, Any]:
-    """A data field with a quarantine record (spec/fields.md): samples with NaN and infinite values, a shard entry."""
+    """A data field with a quarantine record (spec/fields.md): samples with NaN and infinite values and the position
+    they are left out from, a shard entry, an entry still waiting for the next pass (no ``from``)."""
     doc = training_base()
     doc["fields"]["data"]["context"] = {
         "epoch": 0,
@@ -152,6 +153,7 @@ def training_quarantine() -> dict[str, Any]:
         "quarantined_shards": ["3"],
         "quarantine": [
             {
+                "from": {"epoch": 0, "position": 96},
                 "reason": "nonfinite",
                 "samples": [5, 17, 90],
                 "step": 12,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ckptfmt.errors import UsageError
+from ckptfmt.quarantine import QuarantineEntry
 from ckptfmt.torch import CheckpointManager, MemoryOptions, ResumableDataLoader, TrainingState
 from ckptfmt.torch.guard import GuardError, GuardEvent, GuardOptions, SpikeRule
 
@@ -28,6 +29,7 @@ def train(
     guard: GuardOptions | None = None,
     quarantined: Iterable[int] = (),
     durable_every: int = 1000,
+    adopt: Sequence[QuarantineEntry] = (),
 ) -> tuple[list[torch.Tensor], list[GuardEvent], CheckpointManager, ResumableDataLoader[Any]]:
     """A tiny run: a linear model, AdamW, a shuffling ResumableDataLoader, a memory snapshot every step."""
     torch.manual_seed(0)
@@ -39,6 +41,8 @@ def train(
     )
     for index in quarantined:  # the clean run to compare with: these samples never were in the order
         loader.resumable_sampler.quarantine_samples([index], step=0, reason="manual")
+    if adopt:  # a replay of another run with its record: each entry from where it took effect in that run
+        loader.adopt_record(adopt)
     model = nn.Linear(8, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainingState(model=model, optimizer=optimizer, loader=loader, config={"run": "guard"})
@@ -171,3 +175,26 @@ def test_no_checkpoint_holds_a_state_that_tripped_the_guard(tmp_path: Path) -> N
         with ckptfmt.open_checkpoint(tmp_path / "run" / name) as ckpt:
             for tensor in ckpt.tensor_names("weights"):
                 assert np.isfinite(ckpt.read_tensor("weights", tensor)).all(), name
+
+
+def test_a_replay_from_the_first_checkpoint_with_the_record_ends_bit_identical_across_epochs(tmp_path: Path) -> None:
+    sampler = ResumableDataLoader(TensorDataset(torch.zeros(256, 1)), batch_size=8, seed=3).resumable_sampler
+    sampler.set_epoch(1)
+    bad = sampler.upcoming(256)[2 * 8]  # trained on in epoch 0; makes step 35 (epoch 1) NaN
+
+    def goes_bad(step: int, attempt: int, loss: torch.Tensor, samples: list[int]) -> torch.Tensor:
+        return loss * math.nan if step > 32 and bad in samples else loss
+
+    guarded, events, mgr, loader = train(tmp_path / "guarded", total=40, fault=goes_bad)
+    mgr.close(persist=False)
+    assert [(e.step, e.kind) for e in events] == [(35, "rolled_back"), (35, "quarantined")]
+    record = loader.quarantine_record
+    assert len(record) == 1 and record[0].since == (1, 2 * 8) and bad in record[0].samples
+
+    replayed, events, mgr, _ = train(tmp_path / "replay", total=40, adopt=record)  # no fault: the record alone
+    mgr.close(persist=False)
+    assert events == [] and same(replayed, guarded)
+    # the record applied from the start instead would also leave the samples out of epoch 0: another run
+    early, _, mgr, _ = train(tmp_path / "early", total=40, quarantined=record[0].samples)
+    mgr.close(persist=False)
+    assert not same(early, guarded)

@@ -437,7 +437,13 @@ def test_ckpt_inspect_shows_the_record_in_text_and_json(tmp_path: Path) -> None:
     doc = run_cli("inspect", url, "--json").json()
     assert doc["context"]["data"]["quarantined_shards"] == ["3"]
     assert doc["context"]["data"]["quarantine"] == [
-        {"step": 12, "samples": list(range(20, 32)), "reason": "nonfinite", "values": {"loss": "nan"}},
+        {
+            "step": 12,
+            "samples": list(range(20, 32)),
+            "reason": "nonfinite",
+            "values": {"loss": "nan"},
+            "from": {"epoch": 0, "position": 0},  # in effect from the start of the sampler's next pass
+        },
         {"step": 30, "samples": [], "shard": "3", "reason": "spike", "values": {"loss": 9.5, "mean": 2.25}},
     ]
     run = run_cli("inspect", url)

@@ -244,6 +244,10 @@ class ResumableDataLoader(DataLoader[T]):
         """Every quarantine recorded so far, oldest first (the ``data`` field's ``quarantine``)."""
         return self.resumable_sampler.quarantine_record
 
+    def adopt_record(self, record: Sequence[QuarantineEntry]) -> None:
+        """Replay another run's quarantine record from an earlier position (:meth:`ResumableSampler.adopt_record`)."""
+        self.resumable_sampler.adopt_record(record)
+
 
 class _Handed(Iterator[T]):
     """The DataLoader's iterator, telling the loader about every batch it hands to the trainer."""

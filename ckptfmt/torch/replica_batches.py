@@ -186,6 +186,10 @@ class ReplicaBatches:
         """Every quarantine recorded so far, oldest first (the ``data`` field's ``quarantine``)."""
         return self._order.quarantine_record
 
+    def adopt_record(self, record: Sequence[QuarantineEntry]) -> None:
+        """Replay another run's quarantine record from an earlier position (:meth:`ResumableSampler.adopt_record`)."""
+        self._order.adopt_record(record)
+
     def _check(self, replica_rank: int | None, participants: int) -> None:
         if type(participants) is not int or participants < 1:
             raise UsageError(f"participants must be a positive integer, got {_show(participants)}")

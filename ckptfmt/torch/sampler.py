@@ -12,6 +12,7 @@ when the loader hands a batch to the trainer — never when a DataLoader's worke
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import inspect
@@ -138,11 +139,19 @@ class ResumableSampler:
     def shard_of(self, index: int) -> str:
         return str(int(index) // self.shard_size)
 
-    def _samples_left_out(self, entries: int | None = None) -> np.ndarray[Any, Any]:
-        """The samples the first ``entries`` entries of the record name (default: all, or the _excluding limit)."""
+    def _samples_left_out(self, entries: int | None = None) -> tuple[np.ndarray[Any, Any], list[QuarantineEntry]]:
+        """Of the first ``entries`` entries of the record (default: all, or the _excluding limit): the samples left
+        out at every position of this epoch (entries from an earlier epoch, or waiting for the next pass), and the
+        entries that take effect at a position of this epoch (their ``since``). Entries of a later epoch (a replay
+        that adopted another run's record, :meth:`adopt_record`) are not in effect yet."""
         if entries is None:
             entries = len(self._record) if self._record_limit is None else self._record_limit
-        return self._bad_samples if entries >= len(self._record) else samples_of(self._record[:entries])
+        chosen = self._record[:entries]
+        if all(e.since is None or e.since[0] < self.epoch for e in chosen):
+            return (self._bad_samples if entries >= len(self._record) else samples_of(chosen)), []
+        everywhere = [e for e in chosen if e.since is None or e.since[0] < self.epoch]
+        partial = [e for e in chosen if e.since is not None and e.since[0] == self.epoch and e.samples]
+        return samples_of(everywhere), partial
 
     def _remaining_positions(
         self, quarantined: set[str] | frozenset[str] | None = None, entries: int | None = None
@@ -171,9 +180,13 @@ class ResumableSampler:
         if quarantined:
             bad = np.array(sorted(int(s) for s in quarantined), dtype=np.int64)
             positions = positions[~np.isin(perm[positions] // self.shard_size, bad)]
-        samples = self._samples_left_out(entries)
+        samples, partial = self._samples_left_out(entries)
         if len(samples):  # both sides hold each index once: a permutation's values, the record's samples
             positions = positions[~np.isin(perm[positions], samples, assume_unique=True)]
+        for entry in partial:  # in effect from a position of this epoch on
+            assert entry.since is not None
+            late = (positions >= entry.since[1]) & np.isin(perm[positions], np.asarray(entry.samples, np.int64))
+            positions = positions[~late]
         return positions
 
     def __iter__(self) -> Iterator[int]:
@@ -193,6 +206,7 @@ class ResumableSampler:
         quarantined = self.quarantined if self._next_plan_quarantined is None else self._next_plan_quarantined
         entries = len(self._record) if self._next_plan_record is None else self._next_plan_record
         self._next_plan_quarantined = self._next_plan_record = None
+        self._stamp(entries)  # the entries this pass leaves out take effect here
         positions = self._remaining_positions(quarantined, entries)
         usable = len(positions) - len(positions) % self.world_size  # every rank takes the same number of steps
         self.plan = Plan(
@@ -332,6 +346,29 @@ class ResumableSampler:
             return
         self._record.append(entry)
         self._bad_samples = np.union1d(self._bad_samples, new)
+        if not self.live:  # no pass in flight: it takes effect at the position the next one starts from
+            self._stamp(len(self._record))
+
+    def _stamp(self, entries: int) -> None:
+        """Give the first ``entries`` entries that wait for a pass the data position they take effect at."""
+        for i, entry in enumerate(self._record[:entries]):
+            if entry.since is None and entry.samples:
+                self._record[i] = dataclasses.replace(entry, since=(self.epoch, self.position))
+
+    def adopt_record(self, record: Sequence[QuarantineEntry]) -> None:
+        """Take another run's quarantine record as it is, to replay that run from an earlier data position: each
+        entry's samples are left out from the position it took effect at in that run (its ``since``), not before;
+        an entry without one, from now on. The record must not be longer than the dataset allows (ContextError)."""
+        if self.live:
+            raise UsageError("cannot adopt a quarantine record while an iterator over the sampler is live")
+        entries = parse_record(
+            [e.to_dict() for e in record],
+            quarantined_shards=[e.shard for e in record if e.shard is not None],
+            num_samples=self.num_samples,
+        )
+        self._record = list(entries)
+        self._bad_samples = samples_of(entries)
+        self.quarantined |= {e.shard for e in entries if e.shard is not None}
 
     @property
     def quarantine_record(self) -> tuple[QuarantineEntry, ...]:
