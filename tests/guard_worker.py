@@ -4,7 +4,8 @@ A linear model under DDP, AdamW, a shuffling ResumableDataLoader (each rank its 
 memory snapshot every step, ``mgr.guard`` between backward and optimizer step. Options:
 
 - ``--nan-sample I``: the rank whose batch holds dataset index I has a NaN loss, on every attempt (bad data);
-- ``--transient STEP:RANK``: that rank's loss is NaN at STEP on the first attempt only (a transient fault);
+- ``--transient STEP:RANK``: that rank's gradients are corrupted (made infinite) at STEP, after their all-reduce,
+  on the first attempt only (a transient fault: a flaky GPU); the guard sees it in the gradient norm;
 - ``--quarantined I,J,...``: these samples are out of the order from the start (the clean run to compare with);
 - ``--total N``: train to step N (resuming from the run directory's newest checkpoint, if any);
 - ``--policy batch|shard``, ``--shard-size N``;
@@ -85,10 +86,11 @@ def main() -> None:
             attempts[step + 1] = attempts.get(step + 1, 0) + 1
             if args.nan_sample is not None and args.nan_sample in ib.tolist():
                 loss = loss * math.nan
-            if transient is not None and (step + 1, rank) == transient and attempts[step + 1] == 1:
-                loss = loss * math.nan
             loss.backward()
-            verdict = mgr.guard(step + 1, state, loss=loss)
+            if transient is not None and (step + 1, rank) == transient and attempts[step + 1] == 1:
+                model.weight.grad.mul_(math.inf)  # type: ignore[union-attr]
+            norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))
+            verdict = mgr.guard(step + 1, state, loss=loss, grad_norm=norm)
             if verdict.rolled_back:
                 step = verdict.step
                 break

@@ -247,8 +247,11 @@ class StepGuard:
         options = self.options
         why: str | None = None
         kind = ""
-        if options.nonfinite and (not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))):
-            why, kind = f"non-finite loss {loss!r} or gradient norm {grad_norm!r}", "nonfinite"
+        own = True  # judged on this rank's own loss (its data), not on all-reduced gradients
+        if options.nonfinite and not math.isfinite(loss):
+            why, kind = f"non-finite loss {loss!r}", "nonfinite"
+        elif options.nonfinite and grad_norm is not None and not math.isfinite(grad_norm):
+            why, kind, own = f"non-finite gradient norm {grad_norm!r}", "nonfinite", False
         if why is None and options.spike is not None and math.isfinite(loss):
             history = [self._losses[s] for s in sorted(self._losses) if s < step]
             why = options.spike.judge(loss, history)
@@ -259,7 +262,8 @@ class StepGuard:
         values = {"loss": repr(float(loss))}
         if grad_norm is not None:
             values["grad_norm"] = repr(float(grad_norm))
-        return {"rank": self.rank, "trip": why is not None, "kind": kind, "why": why or "", "values": values}
+        trip = why is not None
+        return {"rank": self.rank, "trip": trip, "own": own, "kind": kind, "why": why or "", "values": values}
 
     def _count_rollback(self, step: int, reason: str) -> None:
         recent = [s for s in self._rollbacks if s > step - self.options.per_steps]
@@ -372,6 +376,10 @@ def _any_trip(values: Sequence[Any]) -> dict[str, object]:
             tripped.append((rank, value))
     if not tripped:
         return {"trip": False, "ranks": [], "reason": "", "values": {}}
+    # the ranks whose own loss tripped are the ones whose data is suspect; a gradient norm all-reduced from them is
+    # non-finite on every rank, so it names them all only when no loss tripped
+    own = [(rank, value) for rank, value in tripped if value.get("own") is True]
+    tripped = own or tripped
     first = tripped[0][1]
     values_out: dict[str, float] = {}
     for rank, value in tripped:
