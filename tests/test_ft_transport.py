@@ -639,3 +639,20 @@ def test_a_manager_without_a_state_is_refused(tmp_path: Path) -> None:
 def test_a_transport_without_a_training_state_has_no_state_dict(make_transport: MakeTransport, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="needs a transport made with manager="):
         make_transport(staging_dir=tmp_path).state_dict()
+
+
+def test_a_peer_without_the_token_is_refused_the_state(tmp_path: Path) -> None:
+    timeout = timedelta(seconds=5)
+    tree = {"user": {"default": {"w": torch.arange(4.0)}}, "torchft": {"step": 3, "batches_committed": 3}}
+    sender = CkptfmtTransport(host="127.0.0.1", timeout=timeout, staging_dir=tmp_path, token="s3cret")
+    stranger = CkptfmtTransport(host="127.0.0.1", timeout=timeout, staging_dir=tmp_path)
+    friend = CkptfmtTransport(host="127.0.0.1", timeout=timeout, staging_dir=tmp_path, token="s3cret")
+    try:
+        sender.send_checkpoint([1], 3, tree, timeout)
+        with pytest.raises(HealRefusedError, match="403"):
+            stranger.recv_checkpoint(0, sender.metadata(), 3, timeout)
+        got = friend.recv_checkpoint(0, sender.metadata(), 3, timeout)
+        assert torch.equal(got["user"]["default"]["w"], torch.arange(4.0))
+    finally:
+        for transport in (sender, stranger, friend):
+            transport.shutdown()

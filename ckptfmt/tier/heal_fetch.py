@@ -25,7 +25,7 @@ from ..jsonio import load_json
 from ..manifest_parse import parse_manifest
 from ..paths import MANIFEST_NAME
 from ..storage.local import LocalStore
-from .heal_server import OFFER_BYTES, TAG
+from .heal_server import OFFER_BYTES, TAG, TOKEN_HEADER
 from .stream_channel import StreamChannel
 from .wire import receive_bounded, receive_files
 
@@ -44,12 +44,12 @@ class Fetched:
     sender: str
 
 
-def fetch(address: str, step: int, directory: str, *, timeout: float) -> Fetched:
+def fetch(address: str, step: int, directory: str, *, timeout: float, token: str | None = None) -> Fetched:
     """Take ``address``'s offer of ``step`` into ``directory`` (empty, private: made by the caller); module doc."""
     started = time.perf_counter()
     url = f"{address}/heal/{int(step)}"
     try:
-        return _fetch(url, address, step, directory, timeout, started)
+        return _fetch(url, address, step, directory, timeout, started, token)
     except HealRefusedError:
         shutil.rmtree(directory, ignore_errors=True)
         raise
@@ -60,9 +60,12 @@ def fetch(address: str, step: int, directory: str, *, timeout: float) -> Fetched
         ) from exc
 
 
-def _fetch(url: str, address: str, step: int, directory: str, timeout: float, started: float) -> Fetched:
+def _fetch(
+    url: str, address: str, step: int, directory: str, timeout: float, started: float, token: str | None
+) -> Fetched:
+    request = urllib.request.Request(url, headers={TOKEN_HEADER: token} if token is not None else {})
     try:
-        response = urllib.request.urlopen(url, timeout=timeout)
+        response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
         reason = exc.read(ERROR_TEXT_BYTES).decode("utf-8", "replace")
         raise HealRefusedError(f"{address} did not send step {step}: HTTP {exc.code} {exc.reason} {reason}") from exc

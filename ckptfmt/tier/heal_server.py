@@ -15,11 +15,13 @@ made from something else.
 A request for a step not offered yet waits for it (up to the timeout), as torchft's sender offers its state from its
 quorum thread at about the time the receiver asks; a request for another step is refused (409) naming the step
 offered. :meth:`HealServer.withdraw` stops new transfers and waits for those in flight, so the owner may delete
-what it offered.
+what it offered. With a ``token``, a request that does not carry it (the ``X-Ckptfmt-Heal-Token`` header) is refused
+(403): the offer is the whole training state, and torch.distributed authenticates nobody.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -39,6 +41,7 @@ from .wire import send_files
 
 log = logging.getLogger("ckptfmt")
 TAG = 0  # one transfer per stream
+TOKEN_HEADER = "X-Ckptfmt-Heal-Token"
 OFFER_BYTES = 64 << 10  # the offer's JSON
 
 
@@ -78,8 +81,9 @@ class HealServer:
     """Serves the current :class:`Offer` to peers that heal from it (module doc). ``host``: the address peers reach
     this process at, bound as given; ``port`` 0 picks a free one."""
 
-    def __init__(self, *, host: str, port: int = 0, timeout: float = 60.0) -> None:
+    def __init__(self, *, host: str, port: int = 0, timeout: float = 60.0, token: str | None = None) -> None:
         self.timeout = timeout
+        self._token = token  # a request must carry it (TOKEN_HEADER) when set
         self._offer: Offer | None = None
         self._active = 0
         self._changed = threading.Condition()
@@ -142,6 +146,11 @@ class HealServer:
         return int(parts[2])
 
     def _serve(self, request: BaseHTTPRequestHandler) -> None:
+        if self._token is not None:
+            given = request.headers.get(TOKEN_HEADER, "")
+            if not hmac.compare_digest(given.encode("utf-8"), self._token.encode("utf-8")):
+                request.send_error(403, "the heal token does not match")
+                return
         step = self._wanted(request.path)
         if step is None:
             request.send_error(404, "expected /heal/<step>")

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptfmt")
 MAX_TORCHFT_KEYS = 16
+TOKEN_ENV = "CKPTFMT_HEAL_TOKEN"  # the default token: the same secret on every replica group of the job
 
 
 class HealState:
@@ -86,7 +87,9 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
     ``manager`` and ``state``: the training state this replica group offers and heals (both, or neither for state
     dicts of any shape). ``host``: the address peers reach this process at (default: this host's name, as torchft's
     own transport). ``staging_dir``: where received checkpoints wait before they are applied (default: the
-    manager's memory directory, else ``/dev/shm``, else the temp directory).
+    manager's memory directory, else ``/dev/shm``, else the temp directory). ``token``: a secret every group of the
+    job shares (default: ``$CKPTFMT_HEAL_TOKEN``): a peer that does not present it is refused the state (the state
+    is the whole training state, and torch.distributed authenticates nobody).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         host: str | None = None,
         port: int = 0,
         staging_dir: str | os.PathLike[str] | None = None,
+        token: str | None = None,
     ) -> None:
         if (manager is None) != (state is None):
             raise UsageError("give CkptfmtTransport both manager= and state=, or neither")
@@ -111,7 +115,10 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         self.timeout = timeout
         base = staging_dir or (manager.memory_root if manager is not None else None) or _default_staging()
         self._staging = os.fspath(base)
-        self._server = HealServer(host=host or socket.gethostname(), port=port, timeout=timeout.total_seconds())
+        self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._server = HealServer(
+            host=host or socket.gethostname(), port=port, timeout=timeout.total_seconds(), token=self._token
+        )
         self._lock = threading.Lock()
         self._offered: str | None = None  # a directory made for the current offer (a live snapshot), or None
         self._made: set[str] = set()  # every staging directory of ours still present
@@ -192,7 +199,7 @@ class CkptfmtTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[mis
         self.heal_started = time.time()
         directory = self._new_dir("recv")
         try:
-            fetched = fetch(metadata, step, directory, timeout=timeout.total_seconds())
+            fetched = fetch(metadata, step, directory, timeout=timeout.total_seconds(), token=self._token)
         except HealRefusedError as exc:
             self.refusals.append(str(exc))
             self._remove(directory)
