@@ -1,0 +1,145 @@
+"""``torch.distributed.checkpoint`` reads ckptfmt: a DCP ``StorageReader`` (issue 41, first part).
+
+    dcp.load(state_dict, storage_reader=ckptfmt.dcp.StorageReader(url))
+
+DCP's metadata is built from the manifest: every tensor of the ``weights`` field under its name (a tensor of another
+field as ``<field>/<name>``), with its global shape and its chunks; every item of the ``objects`` contexts as bytes.
+DCP plans the load (resharding onto any world size is DCP's), and each rank's reads go through one ckptfmt read plan:
+only the chunks, and of a chunk with block digests only the blocks, that its regions touch, every byte checked
+before DCP gets any of it. A rank reads and checks all of its regions first and copies into DCP's destination
+tensors only then, so a damaged checkpoint raises the library's error naming the file and tensor and changes no
+destination tensor on that rank.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from ..arrays import to_torch
+from ..errors import ContextError
+from ..read_plan import Target
+from ..reader import Checkpoint, open_checkpoint
+from ..torch.state_tree import unflatten
+from .writer import FIELD, OBJECTS
+
+
+class StorageReader(_DcpStorageReader):
+    """Serves DCP's load plans from the ckptfmt checkpoint at ``url`` (module doc)."""
+
+    def __init__(self, url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.url = os.fspath(url)
+        self.storage_options = storage_options
+        self._names: dict[str, tuple[str, str]] = {}  # DCP's fully qualified name -> (field, tensor)
+        self._objects: dict[str, object] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = os.fspath(checkpoint_id)
+        self._names, self._objects = {}, {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open_checkpoint(self.url, self.storage_options) as ckpt:
+            entries: dict[str, Any] = {}
+            for field, record in ckpt.fields.items():
+                if record.kind == "tensors":
+                    for name, tensor in record.tensors.items():
+                        fqn = name if field == FIELD else f"{field}/{name}"
+                        self._names[fqn] = (field, name)
+                        entries[fqn] = TensorStorageMetadata(
+                            properties=TensorProperties(dtype=_torch_dtype(tensor.dtype)),
+                            size=torch.Size(tensor.shape),
+                            chunks=[
+                                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.shape))
+                                for c in tensor.chunks
+                            ],
+                        )
+            self._objects = _objects(ckpt)
+        for fqn in self._objects:
+            if fqn in entries:
+                raise ContextError(f"item {fqn!r} is both a tensor and an object", field=OBJECTS)
+            entries[fqn] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=entries)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._names and not self._objects:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        with open_checkpoint(self.url, self.storage_options) as ckpt:
+            arrays = ckpt.read_regions([self._target(ckpt, item) for item in tensors]) if tensors else []
+        # every region read and checked: only now does anything reach DCP's destination tensors
+        for item, array in zip(tensors, arrays, strict=True):
+            field, name = self._names[item.storage_index.fqn]
+            source = to_torch(array, ckpt.tensor(field, name).dtype)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source.reshape(target.shape))
+            planner.commit_tensor(item, target)
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                value = self._objects[item.storage_index.fqn]
+                buffer = io.BytesIO()
+                torch.save(value, buffer)  # plain values only (the writer refused anything else)
+                buffer.seek(0)
+                planner.load_bytes(item, buffer)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
+
+    def _target(self, ckpt: Checkpoint, item: ReadItem) -> Target:
+        index: MetadataIndex = item.storage_index
+        field, name = self._names[index.fqn]
+        chunk_offsets = tuple(index.offset) if index.offset is not None else ()
+        offsets = tuple(int(c) + int(s) for c, s in zip(chunk_offsets, item.storage_offsets, strict=True))
+        shape = tuple(int(n) for n in item.lengths)
+        return Target(field, name, ckpt.tensor(field, name).dtype, offsets, shape)
+
+
+def _objects(ckpt: Checkpoint) -> dict[str, object]:
+    """Every rank's ``objects`` context merged, by fully qualified name (a name in two of them is refused)."""
+    out: dict[str, object] = {}
+    for field in sorted(ckpt.fields):
+        if field != OBJECTS and not field.startswith(OBJECTS + "_r"):
+            continue
+        doc = ckpt.read_context(field)
+        items = unflatten(doc.get("items"), {})
+        if not isinstance(items, dict):
+            raise ContextError("its items are not a map", field=field)
+        for fqn, value in items.items():
+            if not isinstance(fqn, str) or fqn in out:
+                raise ContextError(f"item {fqn!r} is named twice, or not by a string", field=field)
+            out[fqn] = value
+    return out
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from ..arrays import TORCH_DTYPES
+
+    return getattr(torch, TORCH_DTYPES[name])  # type: ignore[no-any-return]

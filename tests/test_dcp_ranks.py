@@ -1,0 +1,24 @@
+"""DCP through ckptfmt's storage layer on gloo ranks (tests/dcp_worker.py): an FSDP2 model and AdamW saved on 2
+ranks load on 1 and 3 ranks to the state they had, the same as DCP's own FileSystemWriter and FileSystemReader give."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from process_ranks import launch
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).with_name("dcp_worker.py")
+
+
+def test_fsdp2_state_saved_on_two_ranks_loads_on_one_and_three_as_through_the_file_system_writer(
+    tmp_path: Path,
+) -> None:
+    launch(WORKER, ["save", str(tmp_path)], 2, timeout=240)
+    saved = json.loads((tmp_path / "saved.json").read_text())["saved"]
+    for world in (1, 3):
+        launch(WORKER, ["load", str(tmp_path)], world, timeout=240)
+        loaded = json.loads((tmp_path / f"loaded-{world}.json").read_text())
+        assert loaded == {"ours": saved, "theirs": saved}, world
