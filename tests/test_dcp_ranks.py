@@ -22,3 +22,11 @@ def test_fsdp2_state_saved_on_two_ranks_loads_on_one_and_three_as_through_the_fi
         launch(WORKER, ["load", str(tmp_path)], world, timeout=240)
         loaded = json.loads((tmp_path / f"loaded-{world}.json").read_text())
         assert loaded == {"ours": saved, "theirs": saved}, world
+
+
+@pytest.mark.parametrize("mode", ["async", "async-process"])
+def test_an_async_save_through_ckptfmt_loads_to_the_state_it_had(tmp_path: Path, mode: str) -> None:
+    launch(WORKER, [mode, str(tmp_path)], 2, timeout=240)
+    saved = json.loads((tmp_path / "saved.json").read_text())["saved"]
+    launch(WORKER, ["load", str(tmp_path)], 2, timeout=240)
+    assert json.loads((tmp_path / "loaded-2.json").read_text()) == {"ours": saved}
