@@ -118,3 +118,25 @@ def test_a_checkpoint_written_by_ckptfmt_torch_loads_through_dcp(tmp_path: Path)
     target = dict(other.state_dict())
     dcp.load(target, storage_reader=StorageReader(tmp_path / "ck"))
     assert all(torch.equal(target[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_dcp_save_with_training_fields_is_a_training_checkpoint_with_all_seven(tmp_path: Path) -> None:
+    from torch.utils.data import TensorDataset
+
+    from ckptfmt.dcp import TrainingFields
+    from ckptfmt.torch import ResumableDataLoader
+
+    loader = ResumableDataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, seed=1)
+    for _ in zip(range(3), loader, strict=False):
+        pass  # three batches handed out: the data position is 12 samples in
+    saved = state(0)
+    fields = TrainingFields(step=7, data=loader, config={"lr": 0.01, "model": "mlp"})
+    dcp.save(saved, storage_writer=StorageWriter(tmp_path / "ck", training=fields))
+    doc = run_cli("inspect", str(tmp_path / "ck"), "--json").json()
+    assert doc["profile"] == "training"
+    assert {"weights", "optimizer", "rng", "data", "config", "topology", "provenance"} <= set(doc["fields"])
+    assert doc["context"]["data"]["global_sample_offset"] == 12
+    assert run_cli("verify", str(tmp_path / "ck")).exit_code == 0
+    target = state(1)
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "ck"))
+    assert same(target, saved)  # the optimizer's tensors, in their own field, under DCP's names all the same

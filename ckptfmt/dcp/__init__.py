@@ -2,6 +2,6 @@
 ckptfmt checkpoints (issue 41, first part). Needs torch; the rest of the library imports without it."""
 
 from .reader import StorageReader
-from .writer import StorageWriter
+from .writer import StorageWriter, TrainingFields
 
-__all__ = ["StorageReader", "StorageWriter"]
+__all__ = ["StorageReader", "StorageWriter", "TrainingFields"]

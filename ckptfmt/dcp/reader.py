@@ -2,8 +2,10 @@
 
     dcp.load(state_dict, storage_reader=ckptfmt.dcp.StorageReader(url))
 
-DCP's metadata is built from the manifest: every tensor of the ``weights`` field under its name (a tensor of another
-field as ``<field>/<name>``), with its global shape and its chunks; every item of the ``objects`` contexts as bytes.
+DCP's metadata is built from the manifest: every tensor under its name when the checkpoint was written through DCP
+(its names are DCP's fully qualified names, in the ``weights`` and ``optimizer`` fields), else the ``weights`` field's
+under their names and another field's as ``<field>/<name>``, each with its global shape and its chunks; every item of
+the ``objects`` contexts as bytes.
 DCP plans the load (resharding onto any world size is DCP's), and each rank's reads go through one ckptfmt read plan:
 only the chunks, and of a chunk with block digests only the blocks, that its regions touch, every byte checked
 before DCP gets any of it. A rank reads and checks all of its regions first and copies into DCP's destination
@@ -36,7 +38,7 @@ from ..errors import ContextError
 from ..read_plan import Target
 from ..reader import Checkpoint, open_checkpoint
 from ..torch.state_tree import unflatten
-from .writer import FIELD, OBJECTS
+from .writer import FIELD, NAMES_ARE_FQNS, OBJECTS
 
 
 class StorageReader(_DcpStorageReader):
@@ -57,10 +59,13 @@ class StorageReader(_DcpStorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with open_checkpoint(self.url, self.storage_options) as ckpt:
             entries: dict[str, Any] = {}
+            fqns = ckpt.manifest.metadata.get(NAMES_ARE_FQNS) == "1"  # written through DCP: names are its own
             for field, record in ckpt.fields.items():
                 if record.kind == "tensors":
                     for name, tensor in record.tensors.items():
-                        fqn = name if field == FIELD else f"{field}/{name}"
+                        fqn = name if fqns or field == FIELD else f"{field}/{name}"
+                        if fqn in self._names:
+                            raise ContextError(f"tensor {fqn!r} is in two fields", field=field)
                         self._names[fqn] = (field, name)
                         entries[fqn] = TensorStorageMetadata(
                             properties=TensorProperties(dtype=_torch_dtype(tensor.dtype)),

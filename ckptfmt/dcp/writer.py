@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +38,24 @@ from ..torch.state_tree import flatten
 from ..writer import CheckpointWriter
 
 FIELD = "weights"
+OPTIMIZER = "optimizer"
 OBJECTS = "objects"  # the context of the non-tensor items, by fully qualified name (rank 0's; others' objects_rN)
+NAMES_ARE_FQNS = "ckptfmt.dcp.names"  # manifest metadata: every tensor is named by its DCP fully qualified name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingFields:
+    """What makes a DCP save a checkpoint of the ``training`` profile (spec/fields.md): which items are the
+    optimizer's (fully qualified names starting with ``optimizer_prefix``, as ``{"optim": ...}`` gives them), the
+    ``step``, and the fields a DCP state dict does not hold: ``config`` (a dict or dataclass), ``data`` (the data
+    position: a loader or sampler with ``state_dict()``, or that state dict), ``mesh`` (the parallelism mesh, by
+    dimension name). Every rank's RNG (torch, numpy, Python) is gathered by rank 0 into the ``rng`` field."""
+
+    step: int
+    data: Any
+    config: Any
+    optimizer_prefix: str = "optim."
+    mesh: Mapping[str, int] | None = None
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -52,8 +70,10 @@ class StorageWriter(_DcpStorageWriter):
         storage_options: Mapping[str, Any] | None = None,
         thread_count: int = 2,
         overwrite: bool = False,
+        training: TrainingFields | None = None,
     ) -> None:
         super().__init__()
+        self.training = training
         self.url = os.fspath(url)
         self.codec = codec
         self.storage_options = storage_options
@@ -82,20 +102,27 @@ class StorageWriter(_DcpStorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         collective = TorchCollective() if _distributed() and dist.get_world_size() > 1 else None
         store = open_store(self.url, self.storage_options)
+        training = self.training
         writer = CheckpointWriter(
             store,
-            profile="weights",
+            profile="weights" if training is None else "training",
             overwrite=self.overwrite,
             rank=self.rank,
             workers=self.thread_count,
             collective=collective,
             codec=self.codec,
+            metadata={NAMES_ARE_FQNS: "1"},
         )
         results: list[WriteResult] = []
         objects: dict[str, object] = {}
         try:
+            contexts = _training_contexts(training, collective) if training is not None else {}
             if writer.is_coordinator:
                 writer.write_tensors(FIELD, {})  # the field exists even when every tensor is another rank's
+                if training is not None:
+                    writer.write_tensors(OPTIMIZER, {})
+                for name, value in contexts.items():
+                    writer.write_context(name, value)
             for item in plan.items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -108,7 +135,9 @@ class StorageWriter(_DcpStorageWriter):
                     chunk = item.tensor_data.chunk if item.tensor_data is not None else None
                     size = item.tensor_data.size if item.tensor_data is not None else tensor.shape
                     offsets = tuple(chunk.offsets) if chunk is not None else (0,) * tensor.dim()
-                    writer.write_tensor(FIELD, item.index.fqn, tensor, global_shape=tuple(size), offsets=offsets)
+                    fqn = item.index.fqn
+                    field = OPTIMIZER if training is not None and fqn.startswith(training.optimizer_prefix) else FIELD
+                    writer.write_tensor(field, fqn, tensor, global_shape=tuple(size), offsets=offsets)
                     nbytes = tensor.numel() * tensor.element_size()
                 results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
             if objects:
@@ -154,3 +183,27 @@ def _plain_object(fqn: str, data: object) -> object:
     if tensors:
         raise UsageError(f"DCP item {fqn!r} holds a tensor inside other state: give it as a tensor item", tensor=fqn)
     return value
+
+
+def _training_contexts(training: TrainingFields, collective: TorchCollective | None) -> dict[str, dict[str, Any]]:
+    """The training profile's context fields (every rank takes part in the RNG's gather; rank 0 gets them all)."""
+    from .. import provenance
+    from ..context import decode, encode
+    from ..torch import api, rng
+    from ..torch.data_position import data_field
+    from ..torch.state import config_field
+
+    mine = rng.capture()
+    if collective is not None:
+        gathered = collective.gather(encode(mine, where="field 'rng'"), dst=0)
+        if gathered is None:
+            return {}
+        mine = rng.with_ranks([decode(g, field="rng") for g in gathered])
+    data = training.data
+    return {
+        "rng": mine,
+        "data": dict(data) if isinstance(data, Mapping) else data_field(data),
+        "config": config_field(training.config),
+        "topology": api.topology(training.mesh),
+        "provenance": provenance.capture(step=training.step),
+    }
