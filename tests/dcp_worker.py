@@ -6,6 +6,8 @@ state from ``get_state_dict``.
   through DCP's ``FileSystemWriter`` (OUT_DIR/dcp); rank 0 writes OUT_DIR/saved.json, the digest of the full state.
 - ``async`` / ``async-process``: the ``save`` state through ``dcp.async_save`` (DCP's thread executor, or its
   background process, which initializes its own process group) into OUT_DIR/ckptfmt, staged, then waited for;
+- ``die``: every rank starts a ``dcp.save`` through ckptfmt into OUT_DIR/dying; rank 1 is SIGKILLed once its data
+  files are written, before it reports them; rank 0 writes OUT_DIR/die.json with the error it got;
 - ``load``: a model of other weights, ``dcp.load`` through ``ckptfmt.dcp.StorageReader``, then again through
   ``FileSystemReader``; rank 0 writes OUT_DIR/loaded-<world>.json with the digest of the full state after each.
 """
@@ -70,6 +72,31 @@ def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "die":
+        import signal
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        import ckptfmt.writer
+
+        if rank == 1:
+
+            def die(self: Any) -> str:
+                self.flush()  # its data files are written: it dies before the coordinator hears of them
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError("unreachable")
+
+            ckptfmt.writer.CheckpointWriter.commit = die  # type: ignore[method-assign]
+        model, optimizer = build(1234)
+        try:
+            dcp.save(state(model, optimizer), storage_writer=StorageWriter(out / "dying"))
+            result = {"error": None}
+        except CheckpointException as exc:
+            result = {"error": [f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()]}
+        except RuntimeError as exc:  # DCP's own gather of the results, with a rank gone (gloo's error)
+            result = {"error": [f"{type(exc).__name__}: {exc}"]}
+        (out / "die.json").write_text(json.dumps(result))
+        os._exit(0)
     if mode in ("async", "async-process"):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 

@@ -30,3 +30,11 @@ def test_an_async_save_through_ckptfmt_loads_to_the_state_it_had(tmp_path: Path,
     saved = json.loads((tmp_path / "saved.json").read_text())["saved"]
     launch(WORKER, ["load", str(tmp_path)], 2, timeout=240)
     assert json.loads((tmp_path / "loaded-2.json").read_text()) == {"ours": saved}
+
+
+def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(tmp_path: Path) -> None:
+    done = launch(WORKER, ["die", str(tmp_path)], 2, timeout=240, check=False)
+    assert [r.returncode for r in done] == [0, -9], [r.stdout[-2000:] for r in done]
+    error = json.loads((tmp_path / "die.json").read_text())["error"]
+    assert error and ("CollectiveError" in error[0] or "closed by peer" in error[0])  # it learned; it did not hang
+    assert not (tmp_path / "dying" / "manifest.json").exists()  # nothing committed, nothing that looks usable
