@@ -153,7 +153,9 @@ class StorageWriter(_DcpStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing left: the checkpoint was committed in ``write_data`` (DCP's own metadata file is not written;
-        :class:`~ckptfmt.dcp.StorageReader` builds DCP's metadata from the manifest)."""
+        :class:`~ckptfmt.dcp.StorageReader` builds DCP's metadata from the manifest). As DCP's own writers do,
+        the metadata that ``dcp.save`` returns gets :meth:`storage_meta`: the URL and the committed id."""
+        metadata.storage_meta = self.storage_meta()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.checkpoint_id or "")
@@ -179,7 +181,10 @@ def _plain_object(fqn: str, data: object) -> object:
             f"DCP item {fqn!r} does not load as plain values (weights_only=True): ckptfmt stores no pickle ({exc})",
             tensor=fqn,
         ) from exc
-    tensors, _ = flatten({"value": value})
+    try:
+        tensors, _ = flatten({"value": value})
+    except UsageError as exc:  # it names the place inside the value ("value/..."), not the item
+        raise UsageError(f"DCP item {fqn!r} is not plain values: {exc.message}", tensor=fqn) from exc
     if tensors:
         raise UsageError(f"DCP item {fqn!r} holds a tensor inside other state: give it as a tensor item", tensor=fqn)
     return value
