@@ -20,7 +20,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from ckptfmt.dcp import StorageReader, StorageWriter
 from ckptfmt.errors import DigestMismatchError, UsageError
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is unavailable"),
+]
 
 
 def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -140,3 +143,22 @@ def test_a_dcp_save_with_training_fields_is_a_training_checkpoint_with_all_seven
     target = state(1)
     dcp.load(target, storage_reader=StorageReader(tmp_path / "ck"))
     assert same(target, saved)  # the optimizer's tensors, in their own field, under DCP's names all the same
+
+
+def test_a_checkpoint_written_through_dcp_loads_without_a_template(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    saved = state(0)
+    dcp.save(saved, storage_writer=StorageWriter(tmp_path / "ck"))
+    loaded = _load_state_dict_from_keys(storage_reader=StorageReader(tmp_path / "ck"))  # what dcp_to_torch_save does
+    assert same(loaded, saved)  # nested as it was saved: the flattening DCP used travels in the checkpoint
+
+
+def test_a_dcp_directory_converted_by_ckpt_convert_loads_through_the_reader_as_it_saved(tmp_path: Path) -> None:
+    saved = {"model": dict(trained(0)[0].state_dict())}
+    dcp.save(saved, storage_writer=FileSystemWriter(str(tmp_path / "dcp")))
+    run = run_cli("convert", str(tmp_path / "dcp"), str(tmp_path / "ck"), "--to", "ckptfmt")
+    assert run.exit_code == 0, run.stdout + run.stderr
+    target = {"model": dict(trained(1)[0].state_dict())}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "ck"))
+    assert same(target, saved)

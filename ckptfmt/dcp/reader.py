@@ -50,6 +50,7 @@ class StorageReader(_DcpStorageReader):
         self.storage_options = storage_options
         self._names: dict[str, tuple[str, str]] = {}  # DCP's fully qualified name -> (field, tensor)
         self._objects: dict[str, object] = {}
+        self._planner_data: object = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -75,12 +76,12 @@ class StorageReader(_DcpStorageReader):
                                 for c in tensor.chunks
                             ],
                         )
-            self._objects = _objects(ckpt)
+            self._objects, self._planner_data = _objects(ckpt)
         for fqn in self._objects:
             if fqn in entries:
                 raise ContextError(f"item {fqn!r} is both a tensor and an object", field=OBJECTS)
             entries[fqn] = BytesStorageMetadata()
-        return Metadata(state_dict_metadata=entries)
+        return Metadata(state_dict_metadata=entries, planner_data=self._planner_data)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not self._names and not self._objects:
@@ -127,9 +128,11 @@ class StorageReader(_DcpStorageReader):
         return Target(field, name, ckpt.tensor(field, name).dtype, offsets, shape)
 
 
-def _objects(ckpt: Checkpoint) -> dict[str, object]:
-    """Every rank's ``objects`` context merged, by fully qualified name (a name in two of them is refused)."""
+def _objects(ckpt: Checkpoint) -> tuple[dict[str, object], object]:
+    """Every rank's ``objects`` context merged, by fully qualified name (a name in two of them is refused), and
+    how DCP flattened the saved state dict (rank 0's ``planner_data``: a load without a template needs it)."""
     out: dict[str, object] = {}
+    planner_data: object = None
     for field in sorted(ckpt.fields):
         if field != OBJECTS and not field.startswith(OBJECTS + "_r"):
             continue
@@ -141,7 +144,9 @@ def _objects(ckpt: Checkpoint) -> dict[str, object]:
             if not isinstance(fqn, str) or fqn in out:
                 raise ContextError(f"item {fqn!r} is named twice, or not by a string", field=field)
             out[fqn] = value
-    return out
+        if field == OBJECTS and doc.get("planner_data") is not None:
+            planner_data = unflatten(doc["planner_data"], {})
+    return out, planner_data
 
 
 def _torch_dtype(name: str) -> torch.dtype:

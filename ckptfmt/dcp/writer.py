@@ -140,9 +140,13 @@ class StorageWriter(_DcpStorageWriter):
                     writer.write_tensor(field, fqn, tensor, global_shape=tuple(size), offsets=offsets)
                     nbytes = tensor.numel() * tensor.element_size()
                 results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
-            if objects:
+            mappings = getattr(plan, "planner_data", None)  # how DCP flattened the state dict: fqn -> path of keys
+            if objects or (self.rank == 0 and isinstance(mappings, dict) and mappings):
                 name = OBJECTS if self.rank == 0 else f"{OBJECTS}_r{self.rank}"
-                writer.write_context(name, {"items": flatten(objects)[1]})
+                doc: dict[str, object] = {"items": flatten(objects)[1]}
+                if self.rank == 0 and isinstance(mappings, dict) and mappings:
+                    doc["planner_data"] = flatten(dict(mappings))[1]
+                writer.write_context(name, doc)
         except BaseException:
             writer.abort()
             raise
