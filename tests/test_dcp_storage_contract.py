@@ -8,7 +8,7 @@ The cases, from PyTorch's test/distributed/checkpoint/test_file_system_checkpoin
 - only tensors round trip, with one I/O thread or several (``test_read_write_only_tensor``);
 - tensors and a Stateful's state round trip through a stream extension (Rot13, ZStandard), which the reader learns
   from the checkpoint (``test_read_write_tensor_and_blob``): here with ``codec="zstd"``; a blob of raw ``bytes``
-  is refused naming its key (ckptfmt's plain values have no bytes);
+  round-trips as opaque bytes (never unpickled), a value that is not plain is refused naming its key;
 - plain values round trip (``test_save_load_bytes``);
 - a tensor saved in one dtype loads into a template of another as DCP's own reader casts it
   (``test_dtype_mismatch_casting``, its default half);
@@ -148,9 +148,17 @@ class Blob:
         self.state = dict(state_dict)
 
 
-def test_a_blob_of_raw_bytes_is_refused_naming_its_key_and_nothing_is_committed(store_url: str) -> None:
+def test_a_blob_of_raw_bytes_round_trips_as_opaque_bytes(store_url: str) -> None:
+    blob = Blob(b"SomeBlobForTesting\x00\xff")  # torchtitan keeps its data loader's state so: pickled by itself
+    dcp.save({**tensors(0), "test_blob": blob}, storage_writer=StorageWriter(store_url))
+    target = Blob(b"")
+    dcp.load({**tensors(1), "test_blob": target}, storage_reader=StorageReader(store_url))
+    assert target.state == {"blob": b"SomeBlobForTesting\x00\xff"}
+
+
+def test_a_value_that_is_not_plain_is_refused_naming_its_key_and_nothing_is_committed(store_url: str) -> None:
     with pytest.raises(CheckpointException) as caught:
-        dcp.save({**tensors(0), "test_blob": Blob(b"SomeBlobForTesting")}, storage_writer=StorageWriter(store_url))
+        dcp.save({**tensors(0), "test_blob": Blob(bytearray(b"x"))}, storage_writer=StorageWriter(store_url))  # type: ignore[arg-type]
     error = only_error(caught)
     assert isinstance(error, UsageError) and error.tensor == "test_blob.blob", error
     assert "test_blob.blob" in error.message
@@ -219,7 +227,7 @@ def test_an_existing_checkpoint_is_refused_without_overwrite_and_replaced_with_i
 
 
 def test_a_failed_write_commits_nothing_and_leaves_no_file(store_url: str) -> None:
-    state = {**tensors(0), "z_thing": Blob(b"x")}  # the blob fails after the tensors were written
+    state = {**tensors(0), "z_thing": Blob(bytearray(b"x"))}  # not plain: fails after the tensors were written
     with pytest.raises(CheckpointException):
         dcp.save(state, storage_writer=StorageWriter(store_url, thread_count=2))
     assert files(store_url) == {}
@@ -229,7 +237,10 @@ def test_a_failed_write_commits_nothing_and_leaves_no_file(store_url: str) -> No
 def test_a_failed_overwrite_leaves_no_committed_checkpoint_never_a_mix(store_url: str) -> None:
     dcp.save(tensors(0), storage_writer=StorageWriter(store_url))
     with pytest.raises(CheckpointException):
-        dcp.save({**tensors(1), "z_thing": Blob(b"x")}, storage_writer=StorageWriter(store_url, overwrite=True))
+        dcp.save(
+            {**tensors(1), "z_thing": Blob(bytearray(b"x"))},  # type: ignore[arg-type]
+            storage_writer=StorageWriter(store_url, overwrite=True),
+        )
     assert "manifest.json" not in files(store_url)  # the old one was un-committed first; the new one never was
     with pytest.raises(CheckpointException):
         dcp.load(tensors(2), storage_reader=StorageReader(store_url))

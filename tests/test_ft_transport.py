@@ -174,7 +174,7 @@ def test_state_dicts_of_any_shape_round_trip_exactly(make_transport: MakeTranspo
 
 def test_a_leaf_or_key_that_needs_pickle_is_refused_where_it_is(make_transport: MakeTransport, tmp_path: Path) -> None:
     sender = make_transport(staging_dir=tmp_path)
-    for leaf in (object(), {1, 2}, b"bytes", 1 + 2j):
+    for leaf in (object(), {1, 2}, bytearray(b"bytes"), 1 + 2j):
         state = {"user": {"default": {"weights": torch.zeros(2), "extra": [0, leaf]}}, "torchft": {"step": 1}}
         with pytest.raises(UsageError, match="neither a tensor nor a plain value") as info:
             sender.send_checkpoint([1], 1, state, SHORT)

@@ -3,7 +3,8 @@
 torchft hands its checkpoint transport a nested state dict: ``{"user": {...}, "torchft": {...}}`` whose leaves
 are tensors (a model's, an optimizer's), DTensors, and plain values (steps, learning rates, a scheduler's
 counters), under string and integer keys, in dicts, lists and tuples. Its own transports pickle it whole. Here the
-tensors go to a checkpoint's ``weights`` field and everything else to a ``tree`` context of plain values, so the
+tensors go to a checkpoint's ``weights`` field and everything else to a ``tree`` context of plain values (``bytes``
+kept as opaque bytes, never interpreted), so the
 same tree comes back on the other side with nothing unpickled: a leaf that is neither a tensor nor a plain value
 is refused when it is sent, naming where it is.
 
@@ -68,6 +69,8 @@ def flatten(tree: object) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
             return {kind: [walk(sub, (*path, str(i)), depth + 1) for i, sub in enumerate(value)]}
         if value is None or type(value) in (bool, int, str):
             return {"value": value}
+        if type(value) is bytes:  # opaque to ckptfmt (msgpack bin): kept, never interpreted, never unpickled
+            return {"bytes": value}
         if type(value) is float:
             return {"value": value} if math.isfinite(value) else {"float": repr(value)}
         raise UsageError(
@@ -116,6 +119,8 @@ def unflatten(root: object, tensors: Mapping[str, torch.Tensor]) -> object:
             return body
         if kind == "float" and body in ("inf", "-inf", "nan"):
             return float(body)
+        if kind == "bytes" and isinstance(body, bytes):
+            return body
         raise bad(f"a node of kind {kind!r} has a body of type {type(body).__name__}")
 
     tree = build(root, 0)
