@@ -162,3 +162,11 @@ def test_a_dcp_directory_converted_by_ckpt_convert_loads_through_the_reader_as_i
     target = {"model": dict(trained(1)[0].state_dict())}
     dcp.load(target, storage_reader=StorageReader(tmp_path / "ck"))
     assert same(target, saved)
+
+
+def test_a_local_url_is_this_machine_s_disk(tmp_path: Path) -> None:
+    saved = state(0)
+    dcp.save(saved, storage_writer=StorageWriter(f"local://{tmp_path}/ck"))  # fsspec's name, no auto_mkdir needed
+    target = state(1)
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "ck"))
+    assert same(target, saved)

@@ -21,8 +21,9 @@ def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     text = os.fspath(url)
     if "://" not in text:
         return LocalStore(text)
-    if text.startswith("file://"):
-        return LocalStore(text[len("file://") :])
+    for scheme in ("file://", "local://"):  # fsspec's names for this machine's disk: the durable local store
+        if text.startswith(scheme):
+            return LocalStore(text[len(scheme) :])
     options = dict(storage_options or {})
     s3 = text.startswith(("s3://", "s3a://"))
     if s3:
