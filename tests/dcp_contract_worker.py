@@ -9,8 +9,8 @@
 - ``dtensor``: a DTensor sharded on rows loads into one sharded on columns and into a replicated one;
 - ``plain_values``: a list and a string, on both ranks, come back on both;
 - ``fsspec_fsdp2``: an FSDP2 model and AdamW (tests/dcp_worker.py's) saved and loaded through an fsspec URL
-  (``local://``, which ckptfmt serves through fsspec, not its own local store; with fsspec's ``auto_mkdir``, as
-  ckptfmt's fsspec store creates no directories);
+  (``local://``, fsspec's name for this machine's disk, which ckptfmt maps to its own local store; the
+  ``storage_options`` a user of fsspec passes are taken and not needed);
 - ``fsspec_overwrite``: through that URL, a second save is refused without ``overwrite`` and replaces with it.
 """
 
