@@ -66,6 +66,12 @@ fi
 # numpy (0.1 s of CPU each; 23 of the whole conformance run's 99 CPU-seconds).
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 logs="$(mktemp -d)"
+# torchtitan's own trainer through ckptfmt's DCP layer (tests/test_torchtitan.py): a venv of its pinned packages over
+# this one's torch, made once (about 10 s), beside the others; the test itself is in the slow lane (about 45 s)
+if [ -z "${CKPTFMT_TORCHTITAN:-}" ]; then
+  bash scripts/torchtitan_env.sh "$ROOT/.venv-torchtitan" >"$logs/torchtitan-env" 2>&1 \
+    && export CKPTFMT_TORCHTITAN="$ROOT/.venv-torchtitan/bin/python" || cat "$logs/torchtitan-env"
+fi
 mypy >"$logs/mypy" 2>&1 &
 mypy_pid=$!
 wait "$PRECOMPILE_PID"  # beside mypy: bytecode for what the tests import, before they start at once
