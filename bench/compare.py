@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from io_throughput import drop_caches, fsync_tree, to_torch  # bench/ is not a package
-from multirank import evict
+from ranks import evict
 
 MiB = 1 << 20
 SAVES = ["ckptfmt-raw", "ckptfmt-zstd", "safetensors", "torch.save", "dcp.save"]

@@ -38,9 +38,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,29 +46,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+import ranks  # bench/ is not a package
+from ranks import evict, settle
+
 SIDES = ("ckptfmt", "dcp")
 WIDTH = 512
 # what the storage layer's share of a save and of a load is made of (the rest is DCP's planning and collectives)
 SAVE_CALLS = ("write_data", "finish")
 LOAD_CALLS = ("read_metadata", "read_data")
-
-
-def evict(path: Path) -> None:
-    """Drop ``path``'s files from the page cache: fsync each (dirty pages are not dropped), then DONTNEED."""
-    for file in path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def settle() -> None:
-    """Let the disk finish what earlier saves left it: sync, then a second of quiet (as bench/multirank.py)."""
-    os.sync()
-    time.sleep(1.0)
 
 
 def disk_bytes(path: Path) -> int:
@@ -212,21 +196,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(mode: str, world: int, args: argparse.Namespace) -> list[dict[str, list[float]]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
-        env.update({"WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
-        env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", args.out]
-        cmd += ["--mib", str(args.mib), "--repeat", str(args.repeat)]
-        procs.append(subprocess.Popen(cmd, env=env))
-    failed = [p.wait() for p in procs]  # wait for every rank before judging any, so none is left behind
-    if any(failed):
-        raise SystemExit(f"{mode} on {world} ranks failed (exit codes {failed})")
-    return [json.loads((Path(args.out) / f"result-{mode}-{world}-{r}.json").read_text()) for r in range(world)]
+    return ranks.launch(__file__, mode, world, args.out, ["--mib", str(args.mib), "--repeat", str(args.repeat)])
 
 
 def slowest(rows: list[dict[str, list[float]]], key: str) -> list[float]:

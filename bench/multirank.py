@@ -22,9 +22,7 @@ import functools
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,24 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def evict(path: Path) -> None:
-    """Drop ``path``'s files from the page cache: fsync each (dirty pages are not dropped), then DONTNEED."""
-    for file in path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def settle() -> None:
-    """Let the disk finish what earlier saves left it (a virtual disk's host may still be writing back after the
-    guest's fsync), so a load is not timed against another save's writeback: sync, then a second of quiet."""
-    os.sync()
-    time.sleep(1.0)
+sys.path.insert(0, str(Path(__file__).parent))
+import ranks  # bench/ is not a package
+from ranks import evict, settle
 
 
 def tensor_bytes(ckpt: Any) -> int:
@@ -196,21 +179,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(mode: str, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
-        env.update({"WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
-        env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", args.out]
-        cmd += ["--size-mib", str(args.size_mib), "--repeat", str(args.repeat)]
-        procs.append(subprocess.Popen(cmd, env=env))
-    for p in procs:
-        if p.wait() != 0:
-            raise SystemExit(f"{mode} on {world} ranks failed")
-    return [json.loads((Path(args.out) / f"result-{mode}-{world}-{r}.json").read_text()) for r in range(world)]
+    return ranks.launch(
+        __file__, mode, world, args.out, ["--size-mib", str(args.size_mib), "--repeat", str(args.repeat)]
+    )
 
 
 def main() -> None:
