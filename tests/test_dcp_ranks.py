@@ -36,5 +36,7 @@ def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(tmp_path: P
     done = launch(WORKER, ["die", str(tmp_path)], 2, timeout=240, check=False)
     assert [r.returncode for r in done] == [0, -9], [r.stdout[-2000:] for r in done]
     error = json.loads((tmp_path / "die.json").read_text())["error"]
-    assert error and ("CollectiveError" in error[0] or "closed by peer" in error[0])  # it learned; it did not hang
+    # it learned that rank 1 is gone, and did not hang: our commit's CollectiveError, or gloo's error from DCP's own
+    # gather ("Connection closed by peer" or "Read error ...: Connection reset by peer", as the timing falls)
+    assert error and ("CollectiveError" in error[0] or "by peer" in error[0])
     assert not (tmp_path / "dying" / "manifest.json").exists()  # nothing committed, nothing that looks usable
