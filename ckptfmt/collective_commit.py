@@ -45,6 +45,7 @@ from .errors import (
     MalformedMessageError,
     MissingFileError,
     SizeMismatchError,
+    UsageError,
     error_from_dict,
 )
 from .manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest
@@ -306,6 +307,24 @@ class SoloCommit:
         self._committer.abort(list(written))
 
 
+class HandOver:
+    """A rank whose records a commit outside this writer turns into the manifest (a DCP save's ``finish``, on
+    the coordinator, which holds the lock): no lock here, nothing exchanged. A rank that fails deletes the files
+    it wrote (COM-14); once handed over, they are the committer's."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def commit_result(self, result: RankResult, *, written: Sequence[str]) -> str:
+        raise UsageError("this writer's records are committed elsewhere: hand_over() gives them")
+
+    def fail(self, error: CheckpointError, *, written: Sequence[str]) -> None:
+        _delete(self.store, written)
+
+    def release(self, written: Iterable[str]) -> None:
+        _delete(self.store, written)
+
+
 def start_commit(
     store: Store,
     collective: Collective | None,
@@ -316,11 +335,15 @@ def start_commit(
     overwrite: bool,
     bases: tuple[str, ...],
     before_replace: Callable[[], None] | None,
-) -> SoloCommit | CollectiveCommit:
+    committed_elsewhere: bool = False,
+) -> SoloCommit | CollectiveCommit | HandOver:
     """Step 1 of a writer's commit (spec/commit.md): one rank alone; several ranks and one store every rank sees
     (``store_of_rank`` None), whose coordinator leads; or several stores, each led by the lowest rank writing to
-    it. With overwrite, ``before_replace`` is called under the lock before the old checkpoint is un-committed
-    (REF-14); ``bases`` are recorded in the lock, so that gc keeps them while this save is at work (REF-13)."""
+    it; or one rank of several whose records another party commits (``committed_elsewhere``). With overwrite,
+    ``before_replace`` is called under the lock before the old checkpoint is un-committed (REF-14); ``bases`` are
+    recorded in the lock, so that gc keeps them while this save is at work (REF-13)."""
+    if committed_elsewhere:
+        return HandOver(store)
     if collective is None:
         committer = Committer(store, overwrite=overwrite, bases=bases, before_replace=before_replace)
         return SoloCommit(store, committer, profile=profile, metadata=metadata)

@@ -84,6 +84,7 @@ class CheckpointWriter:
         frozen: Collection[str] = (),
         base_content: RawDigests | None = None,
         before_replace: Callable[[], None] | None = None,
+        committed_elsewhere: bool = False,
     ) -> None:
         options = WriteOptions.check(
             profile=profile,
@@ -105,6 +106,9 @@ class CheckpointWriter:
         self.collective = collective
         self.store_of_rank = options.store_of_rank
         self.checkpoint_id: str | None = None
+        # committed_elsewhere: this rank writes its files and :meth:`hand_over` gives their records to a commit
+        # made outside this writer (ckptfmt.dcp: DCP's finish, on the coordinator, which took the lock)
+        self.committed_elsewhere = committed_elsewhere
         # base: an earlier checkpoint beside this one; chunks equal to its chunks are referenced, not written
         # (spec/references.md). frozen: tensor names the caller declares unchanged since the base (not hashed).
         # base_content: ``raw_digests`` of the writer of this process that wrote the base, with its checkpoint id:
@@ -129,6 +133,7 @@ class CheckpointWriter:
                 overwrite=overwrite,
                 bases=() if self._base is None else self._base.names,
                 before_replace=before_replace,
+                committed_elsewhere=committed_elsewhere,
             )
         except BaseException:
             self._close()
@@ -179,7 +184,8 @@ class CheckpointWriter:
             value = {**default_provenance(), **value}
         check_standard_field(field, value, writing=True)
         data = encode(value, where=f"field {field!r}")
-        path = layout.context_path(field, self.rank if self.collective is not None else 0)
+        several = self.collective is not None or self.committed_elsewhere
+        path = layout.context_path(field, self.rank if several else 0)
         self._executor.write_blob(path, data)
         self._contexts[field] = path
 
@@ -244,6 +250,21 @@ class CheckpointWriter:
         finally:
             self._close()
         return self.checkpoint_id
+
+    def hand_over(self) -> RankResult:
+        """Flush and stop, keeping the files written, and return their records for the commit made elsewhere
+        (a writer made with ``committed_elsewhere``). On a failure this rank's files are deleted (COM-14)."""
+        if not self.committed_elsewhere:
+            raise UsageError("hand_over() is for a writer whose records are committed elsewhere")
+        self._check_open()
+        try:
+            self.flush()
+            mine = self.result()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._close()
+        return mine
 
     def release(self) -> tuple[FileRecord, ...]:
         """Flush and stop without a manifest, keeping the files written (one rank, no collective): the lock is

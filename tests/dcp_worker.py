@@ -8,6 +8,8 @@ state from ``get_state_dict``.
   background process, which initializes its own process group) into OUT_DIR/ckptfmt, staged, then waited for;
 - ``die``: every rank starts a ``dcp.save`` through ckptfmt into OUT_DIR/dying; rank 1 is SIGKILLed once its data
   files are written, before it reports them; rank 0 writes OUT_DIR/die.json with the error it got;
+- ``fail``: the same, but rank 1 raises (a full disk) once its data files are written; every rank writes
+  OUT_DIR/fail-<rank>.json with the error it got, then saves again to the same place, which must succeed;
 - ``load``: a model of other weights, ``dcp.load`` through ``ckptfmt.dcp.StorageReader``, then again through
   ``FileSystemReader``; rank 0 writes OUT_DIR/loaded-<world>.json with the digest of the full state after each.
 """
@@ -86,7 +88,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
                 raise AssertionError("unreachable")
 
-            ckptfmt.writer.CheckpointWriter.commit = die  # type: ignore[method-assign]
+            ckptfmt.writer.CheckpointWriter.hand_over = die  # type: ignore[method-assign]
         model, optimizer = build(1234)
         try:
             dcp.save(state(model, optimizer), storage_writer=StorageWriter(out / "dying"))
@@ -97,6 +99,33 @@ def main() -> None:
             result = {"error": [f"{type(exc).__name__}: {exc}"]}
         (out / "die.json").write_text(json.dumps(result))
         os._exit(0)
+    if mode == "fail":
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        import ckptfmt.writer
+        from ckptfmt.errors import StorageError
+
+        real = ckptfmt.writer.CheckpointWriter.hand_over
+        if rank == 1:
+
+            def fail(self: Any) -> Any:
+                self.flush()  # its data files are written: the failure must delete them
+                raise StorageError("No space left on device (injected)", path="weights/full")
+
+            ckptfmt.writer.CheckpointWriter.hand_over = fail  # type: ignore[method-assign]
+        model, optimizer = build(1234)
+        try:
+            dcp.save(state(model, optimizer), storage_writer=StorageWriter(out / "failing"))
+            errors: list[str] = []
+        except CheckpointException as exc:
+            errors = [f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()]
+        dist.barrier()  # every rank has failed before any looks at the store
+        left = sorted(str(p.relative_to(out / "failing")) for p in (out / "failing").rglob("*") if p.is_file())
+        ckptfmt.writer.CheckpointWriter.hand_over = real  # type: ignore[method-assign]
+        dcp.save(state(model, optimizer), storage_writer=StorageWriter(out / "failing"))  # the lock was given back
+        (out / f"fail-{rank}.json").write_text(json.dumps({"errors": errors, "left": left}))
+        dist.destroy_process_group()
+        return
     if mode in ("async", "async-process"):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 

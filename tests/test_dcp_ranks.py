@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from process_ranks import launch
 
+from ckptfmt import open_checkpoint
+
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("dcp_worker.py")
 
@@ -40,3 +42,14 @@ def test_a_rank_killed_mid_save_fails_the_others_and_commits_nothing(tmp_path: P
     # gather ("Connection closed by peer" or "Read error ...: Connection reset by peer", as the timing falls)
     assert error and ("CollectiveError" in error[0] or "by peer" in error[0])
     assert not (tmp_path / "dying" / "manifest.json").exists()  # nothing committed, nothing that looks usable
+
+
+def test_a_rank_failing_mid_save_deletes_every_file_names_the_error_and_gives_the_lock_back(tmp_path: Path) -> None:
+    launch(WORKER, ["fail", str(tmp_path)], 2, timeout=240)
+    outcomes = [json.loads((tmp_path / f"fail-{rank}.json").read_text()) for rank in (0, 1)]
+    # rank 1's own error, on rank 1; on the coordinator, whose finish refused the commit, the same error
+    assert any("No space left on device" in e for e in outcomes[1]["errors"]), outcomes
+    assert any("No space left on device" in e for e in outcomes[0]["errors"]), outcomes
+    assert outcomes[0]["left"] == [] and outcomes[1]["left"] == []  # no manifest, no data file, no lock
+    with open_checkpoint(str(tmp_path / "failing")) as ckpt:  # the next save, into the same place, committed
+        ckpt.verify()

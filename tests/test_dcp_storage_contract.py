@@ -301,8 +301,10 @@ def test_storage_meta_names_the_checkpoint_and_the_save(store_url: str, new_url:
     metadata = dcp.save(tensors(0), storage_writer=writer)
     meta = metadata.storage_meta
     assert meta is not None and meta.checkpoint_id == store_url
+    assert writer.checkpoint_id == store_url  # DCP's meaning: where it goes
+    assert meta.save_id == writer.save_id != ""  # a new one for every save, as DCP's writers make it
     with open_checkpoint(store_url) as ckpt:
-        assert meta.save_id == ckpt.id == writer.checkpoint_id
+        assert writer.committed_id == ckpt.id  # the manifest's id, once finish committed it
     other = new_url()
     again = dcp.save(tensors(1), storage_writer=writer, checkpoint_id=other)
     assert again.storage_meta is not None and again.storage_meta.checkpoint_id == other

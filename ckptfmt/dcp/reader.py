@@ -34,28 +34,38 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..arrays import to_torch
-from ..errors import ContextError
+from ..errors import ContextError, UsageError
 from ..read_plan import Target
 from ..reader import Checkpoint, open_checkpoint
 from ..torch.state_tree import unflatten
-from .writer import FIELD, NAMES_ARE_FQNS, OBJECTS
+from .writer import FIELD, NAMES_ARE_FQNS, OBJECTS, PICKLED
 
 
 class StorageReader(_DcpStorageReader):
-    """Serves DCP's load plans from the ckptfmt checkpoint at ``url`` (module doc)."""
+    """Serves DCP's load plans from the ckptfmt checkpoint at ``url`` (module doc). ``pickled_objects``: hand DCP
+    the opaque ``torch.save`` bytes of items a writer kept with ``pickled_objects=True`` (DCP's planner unpickles
+    them, unrestricted); without it, a load that asks for one is refused, naming it."""
 
-    def __init__(self, url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        pickled_objects: bool = False,
+    ) -> None:
         super().__init__()
         self.url = os.fspath(url)
         self.storage_options = storage_options
+        self.pickled_objects = pickled_objects
         self._names: dict[str, tuple[str, str]] = {}  # DCP's fully qualified name -> (field, tensor)
         self._objects: dict[str, object] = {}
+        self._pickled: set[str] = set()  # the items kept as opaque pickle bytes
         self._planner_data: object = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.url = os.fspath(checkpoint_id)
-        self._names, self._objects = {}, {}
+        self._names, self._objects, self._pickled = {}, {}, set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with open_checkpoint(self.url, self.storage_options) as ckpt:
@@ -76,7 +86,7 @@ class StorageReader(_DcpStorageReader):
                                 for c in tensor.chunks
                             ],
                         )
-            self._objects, self._planner_data = _objects(ckpt)
+            self._objects, self._pickled, self._planner_data = _objects(ckpt)
         for fqn in self._objects:
             if fqn in entries:
                 raise ContextError(f"item {fqn!r} is both a tensor and an object", field=OBJECTS)
@@ -95,6 +105,16 @@ class StorageReader(_DcpStorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        objects = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        for item in objects:  # before anything is read or changed
+            fqn = item.storage_index.fqn
+            if fqn in self._pickled and not self.pickled_objects:
+                raise UsageError(
+                    f"DCP item {fqn!r} is kept as opaque pickle bytes: loading it unpickles without restriction; "
+                    "StorageReader(pickled_objects=True) if this checkpoint is trusted",
+                    tensor=fqn,
+                    path=self.url,
+                )
         with open_checkpoint(self.url, self.storage_options) as ckpt:
             arrays = ckpt.read_regions([self._target(ckpt, item) for item in tensors]) if tensors else []
         # every region read and checked: only now does anything reach DCP's destination tensors
@@ -104,13 +124,17 @@ class StorageReader(_DcpStorageReader):
             target = planner.resolve_tensor(item).detach()
             target.copy_(source.reshape(target.shape))
             planner.commit_tensor(item, target)
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                value = self._objects[item.storage_index.fqn]
-                buffer = io.BytesIO()
+        for item in objects:
+            fqn = item.storage_index.fqn
+            value = self._objects[fqn]
+            buffer = io.BytesIO()
+            if fqn in self._pickled:
+                assert isinstance(value, bytes)
+                buffer.write(value)  # the writer's torch.save bytes, as they were (opted in above)
+            else:
                 torch.save(value, buffer)  # plain values only (the writer refused anything else)
-                buffer.seek(0)
-                planner.load_bytes(item, buffer)
+            buffer.seek(0)
+            planner.load_bytes(item, buffer)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -128,10 +152,12 @@ class StorageReader(_DcpStorageReader):
         return Target(field, name, ckpt.tensor(field, name).dtype, offsets, shape)
 
 
-def _objects(ckpt: Checkpoint) -> tuple[dict[str, object], object]:
-    """Every rank's ``objects`` context merged, by fully qualified name (a name in two of them is refused), and
-    how DCP flattened the saved state dict (rank 0's ``planner_data``: a load without a template needs it)."""
+def _objects(ckpt: Checkpoint) -> tuple[dict[str, object], set[str], object]:
+    """Every rank's ``objects`` context merged, by fully qualified name (a name in two of them is refused), the
+    names of those kept as opaque pickle bytes, and how DCP flattened the saved state dict (rank 0's
+    ``planner_data``: a load without a template needs it)."""
     out: dict[str, object] = {}
+    pickled: set[str] = set()
     planner_data: object = None
     for field in sorted(ckpt.fields):
         if field != OBJECTS and not field.startswith(OBJECTS + "_r"):
@@ -144,9 +170,13 @@ def _objects(ckpt: Checkpoint) -> tuple[dict[str, object], object]:
             if not isinstance(fqn, str) or fqn in out:
                 raise ContextError(f"item {fqn!r} is named twice, or not by a string", field=field)
             out[fqn] = value
+        listed = doc.get(PICKLED, [])
+        if not isinstance(listed, list) or any(not isinstance(out.get(n), bytes) or n not in items for n in listed):
+            raise ContextError(f"its {PICKLED!r} list names an item that is not its own opaque bytes", field=field)
+        pickled.update(listed)
         if field == OBJECTS and doc.get("planner_data") is not None:
             planner_data = unflatten(doc["planner_data"], {})
-    return out, planner_data
+    return out, pickled, planner_data
 
 
 def _torch_dtype(name: str) -> torch.dtype:
