@@ -361,6 +361,27 @@ VECTORS: tuple[Invalid, ...] = (
         "Two base records (the same record twice) have the location '../step-1'.",
         on_extension(lambda e: e["configuration"]["bases"].append(copy.deepcopy(e["configuration"]["bases"][0]))),
     ),
+    _ref(
+        "ref-location-absent",
+        ("REF-3",),
+        "The base record has no location (errata of 1.2: an absent location does not match the grammar).",
+        edit(lambda d: base_record(d).pop("location")),
+        also=("REF-6",),  # the referenced chunks' base is then the location of no record
+    ),
+    _ref(
+        "ref-location-not-string",
+        ("REF-3",),
+        "The base record's location is the number 7.",
+        edit(lambda d: base_record(d).__setitem__("location", 7)),
+        also=("MAN-7", "REF-6"),
+    ),
+    _ref(
+        "ref-chunk-base-null",
+        ("REF-6",),
+        "Referenced chunk s@0 has 'base': null (not the location of a base record, errata of 1.2).",
+        edit(lambda d: ref_chunk(d).__setitem__("base", None)),
+        also=("MAN-7",),
+    ),
     # ---- REF-4: checkpoint ids
     _ref(
         "ref-id-uppercase",

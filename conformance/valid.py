@@ -389,6 +389,12 @@ def stray_files(tree: Tree) -> None:
         (tree.root / path).write_bytes(data)
 
 
+def ref_unknown_members(doc: Json) -> None:
+    (record,) = [e for e in doc["extensions"] if e["name"] == "ckptfmt.references"]
+    record["configuration"]["org.example.note"] = {"kept": False}
+    record["configuration"]["bases"][0]["org.example.note"] = 1
+
+
 def root_through_symlink(tree: Tree) -> None:
     """Move the checkpoint and its base into ``run/`` and leave the checkpoint's name as a link to it."""
     vector = tree.root.parent
@@ -644,6 +650,16 @@ VALID: tuple[Valid, ...] = (
         "there is none.",
         ref_weights_input,
         post=root_through_symlink,
+        writer=False,
+        bases=REF_WEIGHTS_BASES,
+    ),
+    Valid(
+        "ref-unknown-members",
+        ("VER-5", "REF-6"),
+        "The ref-weights vector with an unknown member beside 'bases' in the configuration and one in its base "
+        "record: properties this version does not define, which a reader ignores (errata of 1.2).",
+        ref_weights_input,
+        post=lambda t: t.edit(ref_unknown_members),
         writer=False,
         bases=REF_WEIGHTS_BASES,
     ),
