@@ -9,7 +9,9 @@ checkpoint's own files, against the referencing manifest's records.
 
 from __future__ import annotations
 
-from .errors import BaseCheckpointError, CheckpointError
+import os
+
+from .errors import BaseCheckpointError, CheckpointError, UnsafePathError
 from .manifest import Manifest, checkpoint_id
 from .manifest_io import read_manifest_bytes
 from .manifest_parse import parse_manifest
@@ -24,11 +26,34 @@ def find_base(manifest: Manifest, location: str) -> BaseRecord:
     raise BaseCheckpointError(f"no base {location!r} in the manifest", requirement="REF-6")
 
 
+def _same_root(a: Store, b: Store) -> bool:
+    """Whether two stores are one root: one directory (its identity, whatever path names it) on a local
+    file system (REF-15), one URL elsewhere."""
+    if a.capabilities.local and b.capabilities.local:
+        try:
+            return os.path.samefile(a.url, b.url)
+        except OSError:  # one is gone: not the same (REF-7 then refuses the missing one)
+            return False
+    return a.url.rstrip("/") == b.url.rstrip("/")
+
+
 def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -> Store:
     """The store of base ``location`` of the checkpoint in ``own`` (``referrer``: its id, for messages)."""
     base = find_base(manifest, location)
     try:
         store = own.sibling(base.name)
+    except UnsafePathError as exc:
+        if exc.problem != "symlink":
+            raise BaseCheckpointError(
+                f"checkpoint {own.url} references {location}, which cannot be opened: {exc}",
+                path=location,
+                requirement="REF-7",
+            ) from exc
+        raise BaseCheckpointError(
+            f"checkpoint {own.url} references {location}, which is a symbolic link: {exc}",
+            path=location,
+            requirement="REF-16",
+        ) from exc
     except CheckpointError as exc:
         raise BaseCheckpointError(
             f"checkpoint {own.url} references {location}, which cannot be opened: {exc}",
@@ -36,7 +61,7 @@ def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -
             requirement="REF-7",
         ) from exc
     where = f"checkpoint {own.url} ({referrer[:19]}…) references {location} = {store.url} ({base.checkpoint_id})"
-    if store.url.rstrip("/") == own.url.rstrip("/"):
+    if _same_root(store, own):
         raise BaseCheckpointError(f"{where}, which is itself", path=location, requirement="REF-7")
     try:
         data = read_manifest_bytes(store)
@@ -54,7 +79,7 @@ def open_base(own: Store, manifest: Manifest, location: str, *, referrer: str) -
     except CheckpointError as exc:  # (the id matched: a manifest only a newer reader understands)
         store.close()
         raise BaseCheckpointError(
-            f"{where}, whose manifest is refused: {exc}", path=location, requirement="REF-7"
+            f"{where}, whose manifest is refused: {exc}", path=location, requirement="REF-17"
         ) from exc
     for record in base.files:
         own_record = stored.get(record.path)

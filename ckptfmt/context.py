@@ -90,8 +90,8 @@ def _decode_ndarray(payload: bytes) -> np.ndarray[Any, Any]:
         raise _bad(f"ndarray dtype {name!r} is not in the dtype table", "CTX-12")
     dtype = dtypes.to_numpy(name)
     problem = dtypes.shape_size_problem(shape, dtype.itemsize)
-    if problem:
-        raise _bad(f"ndarray {problem}", "CTX-12")
+    if problem:  # the bounds of TEN-23, which the array libraries that build it also have
+        raise _bad(f"ndarray {problem}", "CTX-14")
     count = 1
     for d in shape:
         count *= d

@@ -509,8 +509,22 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_float(text: str) -> object:
-    raise ManifestError(f"floating-point number {text} is not allowed in a manifest")
+class JsonFraction(float):
+    """A JSON number with a fraction or an exponent part. It is no integer, so a property defined as one
+    refuses it under that property's own rule (MAN-7, BLK-1, ...), while an unknown member holding it is
+    ignored (VER-5, spec/notes/gaps-1.2.md N17). A float subclass, so the canonical and MAN-27 checks,
+    which re-serialize the document, see a number."""
+
+    __slots__ = ()
+
+
+def _fraction(text: str) -> object:
+    return JsonFraction(text)
+
+
+def _no_constant(text: str) -> object:
+    # NaN, Infinity and -Infinity are not JSON (RFC 8259): Python's parser accepts them unless told not to
+    raise ManifestError(f"manifest holds {text}, which is not JSON", requirement="MAN-4")
 
 
 _BOM = b"\xef\xbb\xbf"
@@ -524,14 +538,14 @@ def _load(data: bytes) -> tuple[Any, bool]:
         text = data.decode("utf-8")
         # Fast path: a canonical manifest (as writers must write, MAN-1) re-serializes to its own bytes,
         # which proves no member name was duplicated; anything else is parsed again, checking each object.
-        doc = json.loads(text, parse_float=_no_float, parse_constant=_no_float)
+        doc = json.loads(text, parse_float=_fraction, parse_constant=_no_constant)
         try:
             canonical = type(doc) is dict and manifest_bytes(doc) == data
         except UnicodeEncodeError:  # a "\ud800" escape decodes to a lone surrogate, which is no canonical text
             canonical = False
         if not canonical:
             doc = json.loads(
-                text, object_pairs_hook=_reject_duplicate_keys, parse_float=_no_float, parse_constant=_no_float
+                text, object_pairs_hook=_reject_duplicate_keys, parse_float=_fraction, parse_constant=_no_constant
             )
     except UnicodeDecodeError as exc:
         raise ManifestError(f"manifest is not valid UTF-8: {exc}", requirement="MAN-4") from exc

@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptfmt.blocks import BlockHasher
 
-from .edits import DATA, Mutation, chain
+from .edits import DATA, Mutation, chain, replace_in_manifest
 from .inputs import document, provenance, tensor
 from .invalid import Invalid
 from .invalid_codecs import to_zstd
@@ -115,6 +115,14 @@ VECTORS: tuple[Invalid, ...] = (
         ("BLK-1",),
         "Chunk w's 'blocks' is its digests string, not an object.",
         chain(_assert_blocks, set_blocks("w", lambda t, c: c["blocks"]["digests"])),
+        base="blocks",
+    ),
+    Invalid(
+        "blocks-size-fraction",
+        ("BLK-1",),
+        "A chunk's blocks 'size' is written 4096.0: a number with a fraction part is no integer (spec/README.md).",
+        replace_in_manifest('"size":4096}', '"size":4096.0}'),
+        also=("MAN-7",),
         base="blocks",
     ),
     Invalid(

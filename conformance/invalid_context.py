@@ -145,6 +145,21 @@ VECTORS: tuple[Invalid, ...] = (
         ("CTX-12",),
         "An ndarray payload with a byte after its array.",
         blob(NOTES, fixmap((packb("a"), ndarray_ext(msgpack.packb(GOOD_NDARRAY) + b"\xc0")))),
+        also=("CTX-2",),  # the payload is held to the blob rules (context.md): a byte after its object
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ndarray-65-dims",
+        ("CTX-14",),
+        "An ndarray of 65 dimensions, each 1, with its 4 bytes of F32 data.",
+        blob(NOTES, fixmap((packb("a"), ndarray_ext(msgpack.packb(["F32", [1] * 65, b"\0\0\0\0"]))))),
+        scope="blob",
+    ),
+    Invalid(
+        "ctx-ndarray-huge-empty",
+        ("CTX-14",),
+        "An empty ndarray of shape [0, 2**62, 2**62]: no data, but 2**126 bytes once the zero is left out.",
+        blob(NOTES, fixmap((packb("a"), ndarray_ext(msgpack.packb(["F32", [0, 1 << 62, 1 << 62], b""]))))),
         scope="blob",
     ),
     # ---- profiles and standard fields

@@ -4,6 +4,8 @@ versioning.md, paths.md, digests.md, commit.md). Helpers and the record type are
 
 from __future__ import annotations
 
+import shutil
+
 from ckptfmt.digests import digest_of
 
 from .edits import (
@@ -40,6 +42,16 @@ from .mutations import Tree
 def manifest_symlink(t: Tree) -> None:
     (t.root / "manifest.json").rename(t.root / "manifest-target.json")
     (t.root / "manifest.json").symlink_to("manifest-target.json")
+
+
+def _weights_dir_is_a_file(t: Tree) -> None:
+    shutil.rmtree(t.root / "weights")
+    (t.root / "weights").write_bytes(b"not a directory")
+
+
+def _dangling_data_file(t: Tree) -> None:
+    (t.root / DATA).unlink()
+    (t.root / DATA).symlink_to("gone.safetensors")
 
 
 VECTORS: tuple[Invalid, ...] = (
@@ -206,6 +218,32 @@ VECTORS: tuple[Invalid, ...] = (
         "The data file is absent (a missing file has no size to match).",
         lambda t: (t.root / DATA).unlink(),
         also=("MAN-19",),
+        scope="file",
+    ),
+    Invalid(
+        "file-directory-missing",
+        ("MAN-28",),
+        "The data file's directory weights/ is absent (gap A12: a missing intermediate directory is a file that "
+        "does not exist).",
+        lambda t: shutil.rmtree(t.root / "weights"),
+        also=("MAN-19",),
+        scope="file",
+    ),
+    Invalid(
+        "file-directory-is-a-file",
+        ("MAN-28",),
+        "weights/ is a regular file, so the data file under it does not exist (gap A12: ENOTDIR); a directory "
+        "of the path is not a directory either (PTH-4).",
+        _weights_dir_is_a_file,
+        also=("MAN-19", "PTH-4"),
+        scope="file",
+    ),
+    Invalid(
+        "file-dangling-symlink",
+        ("PTH-3",),
+        "The data file is a symbolic link to a file that does not exist (gap A12: an entry exists, and it is a link).",
+        _dangling_data_file,
+        also=("PTH-4",),  # as symlink-file: a link, not followed, is not a regular file
         scope="file",
     ),
     Invalid(

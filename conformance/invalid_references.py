@@ -20,6 +20,7 @@ import hashlib
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckptfmt.canonical import canonical_json
@@ -207,6 +208,12 @@ def move_base(t: Tree, where: str) -> None:
     (t.root.parent / STEP1).rename(target)
 
 
+def _symlinked_base(t: Tree) -> None:
+    """Move step-1 to ``elsewhere/step-1`` and leave a relative symbolic link to it in its place."""
+    move_base(t, "elsewhere/" + STEP1)
+    (t.root.parent / STEP1).symlink_to(Path("elsewhere") / STEP1, target_is_directory=True)
+
+
 def replaced_base(t: Tree) -> None:
     """step-1 written again with another provenance: the same data file, byte for byte, another checkpoint."""
     before = base_tree(t).read(DATA)
@@ -354,6 +361,27 @@ VECTORS: tuple[Invalid, ...] = (
         "Two base records (the same record twice) have the location '../step-1'.",
         on_extension(lambda e: e["configuration"]["bases"].append(copy.deepcopy(e["configuration"]["bases"][0]))),
     ),
+    _ref(
+        "ref-location-absent",
+        ("REF-3",),
+        "The base record has no location (errata of 1.2: an absent location does not match the grammar).",
+        edit(lambda d: base_record(d).pop("location")),
+        also=("REF-6",),  # the referenced chunks' base is then the location of no record
+    ),
+    _ref(
+        "ref-location-not-string",
+        ("REF-3",),
+        "The base record's location is the number 7.",
+        edit(lambda d: base_record(d).__setitem__("location", 7)),
+        also=("MAN-7", "REF-6"),
+    ),
+    _ref(
+        "ref-chunk-base-null",
+        ("REF-6",),
+        "Referenced chunk s@0 has 'base': null (not the location of a base record, errata of 1.2).",
+        edit(lambda d: ref_chunk(d).__setitem__("base", None)),
+        also=("MAN-7",),
+    ),
     # ---- REF-4: checkpoint ids
     _ref(
         "ref-id-uppercase",
@@ -470,6 +498,24 @@ VECTORS: tuple[Invalid, ...] = (
         "step-1's manifest was edited after the reference was made (metadata added): another checkpoint id, the "
         "same files.",
         base_only(lambda b: b.edit(lambda d: d.__setitem__("metadata", {"edited": "after the reference"}))),
+        scope="tensor",
+    ),
+    _ref(
+        "ref-base-symlink",
+        ("REF-16",),
+        "step-1 beside the checkpoint is a symbolic link to elsewhere/step-1, the intact base (its id and files "
+        "match): a reader that follows it opens a directory outside the run directory.",
+        lambda t: _symlinked_base(t),
+        also=("REF-7",),
+        scope="tensor",
+    ),
+    _ref(
+        "ref-base-manifest-refused",
+        ("REF-17",),
+        "step-1's manifest says format_version 2.0 (VER-3) and the base record was made from it: its checkpoint id "
+        "and file records match, and a reader must still refuse the base's manifest.",
+        in_base(lambda b: b.edit(lambda d: d.__setitem__("format_version", "2.0"))),
+        also=("REF-7", "VER-3"),
         scope="tensor",
     ),
     # ---- REF-8: the base stores what is referenced

@@ -296,6 +296,13 @@ VECTORS: tuple[Invalid, ...] = (
         scope="file",
     ),
     Invalid(
+        "st-shape-65-dims",
+        ("SAF-14",),
+        "An unreferenced empty U8 entry of 65 dimensions [0, 1, ..., 1]: SAF-14's dimension bound apart from TEN-23.",
+        extra_entry({"dtype": "U8", "shape": [0] + [1] * 64, "data_offsets": [0, 0]}, 0),
+        scope="file",
+    ),
+    Invalid(
         "st-offsets-invalid",
         ("SAF-8",),
         "An unreferenced entry with three data_offsets.",

@@ -23,7 +23,7 @@ def markdown(run: Run) -> str:
     lines = [
         "# ckptfmt conformance report",
         "",
-        f"- Suite: ckptfmt conformance {run.suite.version}, for format version {run.suite.spec_version}",
+        f"- Suite: ckptfmt conformance {run.suite.version}, for format versions 1.0 to {run.suite.spec_version}",
         f"- Vectors: `{run.suite.digest}`",
     ]
     lines += [f"- {direction.capitalize()} under test: `{_cell(cmd)}`" for direction, cmd in run.commands.items()]

@@ -137,7 +137,7 @@ class Suite:
     @property
     def line(self) -> str:
         return (
-            f"ckptfmt conformance suite {self.version}, for ckptfmt format {self.spec_version}; "
+            f"ckptfmt conformance suite {self.version}, for ckptfmt format versions 1.0 to {self.spec_version}; "
             f"vectors {self.digest} at {self.vectors}"
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -388,6 +389,22 @@ def stray_files(tree: Tree) -> None:
         (tree.root / path).write_bytes(data)
 
 
+def ref_unknown_members(doc: Json) -> None:
+    (record,) = [e for e in doc["extensions"] if e["name"] == "ckptfmt.references"]
+    record["configuration"]["org.example.note"] = {"kept": False}
+    record["configuration"]["bases"][0]["org.example.note"] = 1
+
+
+def root_through_symlink(tree: Tree) -> None:
+    """Move the checkpoint and its base into ``run/`` and leave the checkpoint's name as a link to it."""
+    vector = tree.root.parent
+    (vector / "run").mkdir()
+    for base in REF_WEIGHTS_BASES:
+        (vector / base.name).rename(vector / "run" / base.name)
+    tree.root.rename(vector / "run" / "step-2")
+    tree.root.symlink_to(Path("run") / "step-2", target_is_directory=True)
+
+
 def safetensors_extras(tree: Tree) -> None:
     end = tree.data_end(DATA)
 
@@ -560,6 +577,15 @@ VALID: tuple[Valid, ...] = (
         writer=False,
     ),
     Valid(
+        "unknown-member-fraction",
+        ("VER-5", "MAN-2"),
+        "An unknown top-level member holding numbers with a fraction and an exponent part, which only writers "
+        "are kept from writing (MAN-1): a reader ignores it.",
+        weights_base,
+        post=edits.replace_in_manifest('"format":"ckptfmt",', '"format":"ckptfmt","org.example.ratio":[1.5,2e3],'),
+        writer=False,
+    ),
+    Valid(
         "zstd",
         ("COD-1", "COD-2", "COD-3", "COD-4", "COD-5", "SAF-13", "VER-1"),
         "Floating tensors of every width compressed with zstd (sign rotated last, byte planes, frames of 4096 raw "
@@ -614,6 +640,27 @@ VALID: tuple[Valid, ...] = (
         "referenced in step-1, w is stored; both data files are weights/r00000-00000.safetensors. The base of the "
         "invalid REF vectors.",
         ref_weights_input,
+        bases=REF_WEIGHTS_BASES,
+    ),
+    Valid(
+        "ref-root-through-symlink",
+        ("REF-15",),
+        "The ref-weights run moved to run/ (run/step-1, run/step-2), the vector's checkpoint a symbolic link to "
+        "run/step-2: the base ../step-1 is the sibling of the directory the root is, run/step-1; beside the link "
+        "there is none.",
+        ref_weights_input,
+        post=root_through_symlink,
+        writer=False,
+        bases=REF_WEIGHTS_BASES,
+    ),
+    Valid(
+        "ref-unknown-members",
+        ("VER-5", "REF-6"),
+        "The ref-weights vector with an unknown member beside 'bases' in the configuration and one in its base "
+        "record: properties this version does not define, which a reader ignores (errata of 1.2).",
+        ref_weights_input,
+        post=lambda t: t.edit(ref_unknown_members),
+        writer=False,
         bases=REF_WEIGHTS_BASES,
     ),
     Valid(

@@ -9,6 +9,7 @@ writer that writes a non-canonical manifest) must make the runner fail.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 197
+    assert len(result.spec) == 201
     assert result.by_tests == {
         "BLK-5",
         "FLD-14",
@@ -284,6 +285,42 @@ def test_the_reference_refuses_each_invalid_vector_with_a_checkpoint_error(vecto
     with pytest.raises(CheckpointError) as info:
         canonical_description(VECTORS / "invalid" / vector / "checkpoint")
     assert info.value.code not in ("checkpoint_error", "storage", "usage")
+
+
+INVALID = sorted(p.name for p in (VECTORS / "invalid").iterdir())
+REQUIREMENT_LINE = re.compile(r"^([A-Z]+-[0-9]+): \[[a-z_]+\] ")
+
+
+def test_the_adapter_names_a_requirement_of_the_vector_on_every_invalid_vector() -> None:
+    """Issue 43: through the reference adapter (``ckpt dump --canonical``), every invalid vector is refused
+    with exit 1, nothing on stdout, and a first stderr line naming one of the requirements the vector lists
+    (spec/README.md, "Which ID a refusal names"); a refusal without an ID would be ``refused-valid`` or
+    ``crashed`` for the runner, as N17's 'floating-point number' refusal was."""
+    wrong = []
+    for name in INVALID:
+        vector = VECTORS / "invalid" / name
+        expected = json.loads((vector / "expected.json").read_bytes())
+        allowed = set(expected["requirements"]) | set(expected.get("also", []))
+        result = CliRunner().invoke(cli, ["dump", "--canonical", str(vector / "checkpoint")])
+        first = (result.stderr.splitlines() or [""])[0]
+        named = REQUIREMENT_LINE.match(first)
+        if result.exit_code != 1 or result.stdout or named is None or named.group(1) not in allowed:
+            wrong.append((name, result.exit_code, first[:120], sorted(allowed)))
+    assert len(INVALID) >= 274
+    assert wrong == []
+
+
+def test_the_adapter_accepts_a_fraction_in_an_unknown_member_and_names_blk1_for_a_fractional_size() -> None:
+    """N17 both ways: MAN-2 and VER-5 keep a reader from refusing an unknown member's number; a property
+    defined as an integer refuses 4096.0 under its own rule."""
+    valid = VECTORS / "valid" / "unknown-member-fraction"
+    result = CliRunner().invoke(cli, ["dump", "--canonical", str(valid / "checkpoint")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip("\n").encode() == (valid / "expected.json").read_bytes()
+    invalid = VECTORS / "invalid" / "blocks-size-fraction" / "checkpoint"
+    result = CliRunner().invoke(cli, ["dump", "--canonical", str(invalid)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("BLK-1: [invalid_manifest] ")
 
 
 def test_the_blob_walk_finds_float32_and_non_canonical_bigints() -> None:

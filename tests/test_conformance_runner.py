@@ -151,7 +151,10 @@ def test_the_reference_passes_through_the_installed_ckpt_conformance_run(tmp_pat
         "--report", str(files["report.md"]), cwd=tmp_path,
     )  # fmt: skip
     lines = proc.stdout.splitlines()
-    first = f"ckptfmt conformance suite {ckptfmt.__version__}, for ckptfmt format {ckptfmt.FORMAT_VERSION}; vectors"
+    first = (
+        f"ckptfmt conformance suite {ckptfmt.__version__}, "
+        f"for ckptfmt format versions 1.0 to {ckptfmt.FORMAT_VERSION}; vectors"
+    )
     assert lines[0].startswith(first), proc.stdout[:500] + proc.stderr
     chosen = select(vectors(VECTORS), tuple(through_the_command()))
     reader = sum(v.kind != "writer" for v in chosen)

@@ -222,7 +222,20 @@ def test_a_symlinked_base_is_refused(tmp_path: Path) -> None:
     (run / "step-1").symlink_to(elsewhere)  # the same checkpoint, id and all, reached through a link
     with ckptfmt.open(run / "step-2") as ckpt, pytest.raises(BaseCheckpointError, match="symbolic link") as info:
         ckpt.read_tensor("weights", "frozen.0")
-    assert info.value.requirement == "REF-7"
+    assert info.value.requirement == "REF-16"
+
+
+def test_a_root_given_through_a_symbolic_link_finds_its_base_beside_the_directory_it_is(tmp_path: Path) -> None:
+    """REF-15 (spec/notes/gaps-1.2.md N10): '../step-1' is a sibling of the directory the root is, not of
+    the link the user gave, and a location is the own root by directory identity, not by path."""
+    run = tmp_path / "run"
+    arrays = state()
+    save(str(run / "step-1"), arrays)
+    save(str(run / "step-2"), arrays, base=str(run / "step-1"))
+    (tmp_path / "latest").symlink_to(run / "step-2", target_is_directory=True)
+    with ckptfmt.open(tmp_path / "latest") as ckpt:
+        np.testing.assert_array_equal(ckpt.read_tensor("weights", "frozen.0"), arrays["frozen.0"])
+    assert ckptfmt.verify(tmp_path / "latest").problems == []
 
 
 def test_the_writer_lock_names_the_bases_while_the_save_is_at_work(tmp_path: Path) -> None:

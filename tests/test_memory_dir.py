@@ -201,3 +201,16 @@ def test_copies_the_job_rewrites_count_as_free_and_the_refusal_names_the_rest(
     assert "of copies no restore would take were removed" in message
     assert made["current"].exists() and made["stale"].exists()
     tier.check_capacity(per_slot, peer_sources={4})  # rank 4's copy is rewritten in place by the rounds
+
+
+def test_one_run_directory_named_through_a_link_or_dots_has_one_run_key(tmp_path: Path) -> None:
+    """spec/memory.md (N16): the normalized run directory URL is the path the OS resolves, so every process
+    that names one directory computes one run-key and one run_dir (MEM-4 then never passes over a good slot)."""
+    from ckptfmt.tier.binding import run_dir_key
+
+    real = tmp_path / "runs" / "job"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    names = [str(real), str(tmp_path / "link"), str(real / ".." / "job") + "/", "file://" + str(tmp_path / "link")]
+    assert {normalize_run_url(n) for n in names} == {os.path.realpath(real)}
+    assert len({run_dir_key(n) for n in names}) == 1

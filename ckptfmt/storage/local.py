@@ -464,7 +464,9 @@ class LocalStore(Store):
         self.capabilities = Capabilities(exclusive_create=True, local=True)
 
     def sibling(self, name: str) -> LocalStore:
-        path = self.root.parent / name
+        # The root is resolved as the OS resolves it (PTH: "given by the user"), so "../name" is a sibling of
+        # the directory the root is, whatever link it was given through (REF-15, spec/notes/gaps-1.2.md N10).
+        path = Path(os.path.realpath(self.root)).parent / name
         if path.is_symlink():  # a base is a directory of the run directory, never a way out of it (REF-7)
             raise UnsafePathError(f"{name!r} beside {self.url} is a symbolic link", problem="symlink", path=str(path))
         return LocalStore(path, direct_io=self.direct_io)

@@ -43,10 +43,12 @@ def run_dir_key(run_url: str) -> str:
 
 
 def normalize_run_url(run_url: str) -> str:
+    """spec/memory.md: a local run directory is named by its path as the OS resolves it (symbolic links and
+    ``..`` resolved, MEM-3), so every process that names one directory computes one run-key and run_dir."""
     text = os.fspath(run_url).rstrip("/")
     if "://" not in text:
-        return os.path.abspath(text)
-    return text.removeprefix("file://") if text.startswith("file://") else text
+        return os.path.realpath(text)
+    return os.path.realpath(text.removeprefix("file://")) if text.startswith("file://") else text
 
 
 def run_identity(run_url: str) -> str:
