@@ -71,6 +71,7 @@ from ..tier.candidates import MemoryCandidate, RunSlots
 from ..tier.capacity import agree_capacity
 from ..tier.nodes import NodeMap
 from ..tier.persist import Persisted
+from ..tier.placement import DOMAIN_ENV
 from ..tier.replica import Replicator
 from ..tier.ring import RingPolicy, SlotRef
 from .persist_queue import CopySlot, PersistQueue
@@ -98,6 +99,7 @@ class MemorySnapshots:
         codec: str | None = None,
         on_persisted: Callable[[Persisted], None] | None = None,
         replicate: bool = False,
+        replicas: int = 1,
         channel: PeerChannel | None = None,
         write_durable: Callable[[int, Snapshot, CheckpointError | None], None] | None = None,
         close_timeout: float | None = None,
@@ -117,7 +119,7 @@ class MemorySnapshots:
         self.node = node_key()
         self.run_id = run_identity(run.url)
         self.world_size = collective.world_size if collective is not None else 1
-        self.nodes = NodeMap.gather(collective, self.node)
+        self.nodes = NodeMap.gather(collective, self.node, os.environ.get(DOMAIN_ENV, ""), replicas)
         self.channel = channel
         self.tier.ensure()
         # the ranks of each node prove that they share the memory directory (MEM-15), every rank together: ranks

@@ -78,6 +78,7 @@ class MemoryEngine:
             codec=codec,
             on_persisted=self._on_persisted,
             replicate=options.replicate,
+            replicas=options.replicas,
             channel=channel,
             write_durable=self._write_durable,
             close_timeout=options.close_timeout,
