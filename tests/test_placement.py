@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rank_threads import run_ranks
 
-from ckptfmt.errors import MalformedMessageError, UsageError
+from ckptfmt.errors import MalformedMessageError, ManifestError, UsageError
 from ckptfmt.tier.nodes import NodeMap
 from ckptfmt.tier.placement import domain_path, place_nodes, place_ranks, shared, sources
+from ckptfmt.tier.placement_record import PLACEMENT_NAME, PlacementRecord
 from ckptfmt.torch.options import MemoryOptions
 
 TIMEOUT = 120.0  # every outcome is reached by a broadcast, never a timeout
@@ -117,3 +118,17 @@ def test_nodes_disagreeing_on_a_domain_are_refused() -> None:
     assert out[0].domain_of("C") == "C"
     bad = run_ranks(3, lambda _, c: NodeMap.gather(c, "A", 7 if c.rank == 2 else ""), TIMEOUT)  # type: ignore[arg-type]
     assert all(isinstance(e, MalformedMessageError) and "rank 2" in str(e) for e in bad), bad
+
+
+def test_the_placement_record_round_trips_and_names_a_bad_member() -> None:
+    record = PlacementRecord(replicas=2, domains={"n0": "rack-a", "n2": "rack-b"})
+    assert PlacementRecord.from_dict(record.to_dict()) == record
+    held = record.holders(["n0", "n2", "n4"])
+    assert held[0] == {"rank": 0, "node": "n0", "domain": "rack-a", "copies": ["rack-b", "n4"]}
+    for bad, member in (
+        ({"replicas": 0, "domains": {}}, "replicas"),
+        ({"replicas": 1, "domains": {"a": 1}}, "domains"),
+    ):
+        with pytest.raises(ManifestError, match=member) as info:
+            PlacementRecord.from_dict(bad)
+        assert info.value.path == PLACEMENT_NAME

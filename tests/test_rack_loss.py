@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tests.concurrent_runs import Jobs
 
 pytestmark = pytest.mark.slow  # multi-process: left out by -m "not slow" (README)
 
+CKPT = Path(sys.executable).with_name("ckpt")
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 STEPS, LOST_AT = 6, 3
 NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
@@ -68,7 +70,11 @@ def scenario(tmp: Path, job: str, lost: list[str], *args: str) -> dict[str, Any]
     rest = [a for a in args if a not in ("--domain-of-rank", ",".join(RACKS))]
     then = torchrun(tmp, job, survivors, *rest, *domains, "--stop-at-step", str(LOST_AT + 1))
     report = re.search(r"restore report: (\{.*\})", then)
+    ls = subprocess.run([CKPT, "ls", "--json", str(tmp / job / "run")], capture_output=True, text=True, check=False)
+    text = subprocess.run([CKPT, "ls", str(tmp / job / "run")], capture_output=True, text=True, check=False)
     return {
+        "ls_text": text.stdout + text.stderr,
+        "ls": json.loads(ls.stdout) if ls.returncode == 0 else ls.stderr,
         "first": first,
         "then": then,
         "held": held,
@@ -110,3 +116,16 @@ def test_one_replica_placed_by_node_order_loses_the_rack_s_steps(runs: dict[str,
 def test_two_replicas_survive_two_racks(runs: dict[str, dict[str, Any]]) -> None:
     assert_restored_step_3(runs["two"])
     assert set(runs["two"]["held"]) >= {"n4", "n5"}
+
+
+def test_ckpt_ls_shows_which_domains_hold_each_rank_s_files(runs: dict[str, dict[str, Any]]) -> None:
+    """The survivors' final save (step 4, on racks c alone, two replicas where only one other node exists)."""
+    shown = runs["two"]["ls"]["replicas"]
+    assert shown["replicas"] == 2 and shown["step"] == LOST_AT + 1, shown
+    assert [(r["node"], r["domain"], r["copies"]) for r in shown["ranks"]] == [
+        ("n4", "rack-c", ["rack-c"]),
+        ("n5", "rack-c", ["rack-c"]),
+    ], shown
+    assert "rank 1: rack-c (node n5); copies in rack-c" in runs["two"]["ls_text"], runs["two"]["ls_text"]
+    shown = runs["domains"]["ls"]["replicas"]
+    assert [r["copies"] for r in shown["ranks"]] == [["rack-c"], ["rack-c"], ["rack-b"], ["rack-b"]], shown

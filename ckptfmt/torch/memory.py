@@ -72,6 +72,7 @@ from ..tier.capacity import agree_capacity
 from ..tier.nodes import NodeMap
 from ..tier.persist import Persisted
 from ..tier.placement import DOMAIN_ENV
+from ..tier.placement_record import PlacementRecord
 from ..tier.replica import Replicator
 from ..tier.ring import RingPolicy, SlotRef
 from .persist_queue import CopySlot, PersistQueue
@@ -137,6 +138,8 @@ class MemorySnapshots:
             if channel is None:
                 raise UsageError("replicate=True needs a channel between ranks (torch.distributed)")
             self.replicator = Replicator(self.tier, channel, self.nodes, self.rank)
+            if self.rank == 0:
+                self._record_placement(run)
         self._rounds = (
             ReplicaRounds(self.replicator, collective, self.tier, self.world_size)
             if self.replicator is not None
@@ -348,6 +351,14 @@ class MemorySnapshots:
     def wait_snapshot(self) -> None:
         """Block until the snapshot in flight is committed; raise its failure."""
         self._snapshots.wait_snapshot()
+
+    def _record_placement(self, run: RunDirectory) -> None:
+        """The replica count and domains, for ``ckpt ls``; a record only: failing to write it costs no snapshot."""
+        record = PlacementRecord(replicas=self.nodes.replicas, domains=self.nodes.domains)
+        try:
+            run.record_placement(record.to_dict())
+        except CheckpointError as exc:
+            log.warning("the replica placement was not recorded in the run directory: %s", exc)
 
     def wait_replica(self) -> None:
         """Block until this rank's part of the replica round in flight is done (its failures are logged)."""
