@@ -30,6 +30,7 @@ from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..storage.slot import SlotStore
 from .holdings import PEER_PREFIX
+from .link_rate import RateLimitedChannel
 from .nodes import NodeMap
 from .persist import lower_thread_priority
 from .ring import MemoryTier, private_dir_problem
@@ -76,9 +77,12 @@ class RoundInFlight:
 class Replicator:
     """One rank's side of replication over ``channel`` (its own process group: rounds run beside training)."""
 
-    def __init__(self, tier: MemoryTier, channel: PeerChannel, nodes: NodeMap, rank: int) -> None:
+    def __init__(
+        self, tier: MemoryTier, channel: PeerChannel, nodes: NodeMap, rank: int, *, rate: float | None = None
+    ) -> None:
+        """``rate``: bytes a second on each link this rank sends on (None: as fast as the channel goes)."""
         self.tier = tier
-        self.channel = channel
+        self.channel: PeerChannel = channel if rate is None else RateLimitedChannel(channel, rate)
         self.rank = rank
         self.partners = nodes.partners().get(rank, ())
         self.sources = nodes.sources_of(rank)
@@ -95,6 +99,15 @@ class Replicator:
         self.last: RoundResult | None = None
         self.failures: list[str] = []
         self.skipped_bytes = 0  # not sent: the partner held them already (data-parallel replicas)
+        self._replicated: int | None = None  # the newest step whose every copy of this rank's files is committed
+
+    def replicated_step(self) -> int | None:
+        """The newest step whose round this rank finished with every partner acknowledging its copy."""
+        current = self._round
+        done = current is not None and current.done() and all(f.exception() is None for f in current.sending)
+        if done and current is not None and (self._replicated is None or current.step > self._replicated):
+            self._replicated = current.step
+        return self._replicated
 
     def busy(self) -> bool:
         """Whether this rank's part of the last round is still running."""
@@ -118,6 +131,7 @@ class Replicator:
         the manifest's are not sent again."""
         tag = 1 + round_no % (_HAVE - 1)
         if self._round is not None:
+            self.replicated_step()
             self.wait()  # done already (every rank agreed it was), but not yet accounted
         local = local or {}
         sending = [self._pool.submit(self._send, tag, dst, slot_path, manifest_bytes, files) for dst in self.partners]

@@ -76,7 +76,7 @@ from ..tier.placement_record import PlacementRecord
 from ..tier.replica import Replicator
 from ..tier.ring import RingPolicy, SlotRef
 from .persist_queue import CopySlot, PersistQueue
-from .replica_rounds import ReplicaRounds
+from .replica_rounds import ReplicaLag, ReplicaRounds
 from .signal_watcher import SignalWatcher
 from .snapshot_writer import SnapshotWriter, state_bytes
 from .state import Snapshot
@@ -101,6 +101,7 @@ class MemorySnapshots:
         on_persisted: Callable[[Persisted], None] | None = None,
         replicate: bool = False,
         replicas: int = 1,
+        replica_rate: float | None = None,
         channel: PeerChannel | None = None,
         write_durable: Callable[[int, Snapshot, CheckpointError | None], None] | None = None,
         close_timeout: float | None = None,
@@ -137,7 +138,7 @@ class MemorySnapshots:
         elif replicate:
             if channel is None:
                 raise UsageError("replicate=True needs a channel between ranks (torch.distributed)")
-            self.replicator = Replicator(self.tier, channel, self.nodes, self.rank)
+            self.replicator = Replicator(self.tier, channel, self.nodes, self.rank, rate=replica_rate)
             if self.rank == 0:
                 self._record_placement(run)
         self._rounds = (
@@ -359,6 +360,10 @@ class MemorySnapshots:
             run.record_placement(record.to_dict())
         except CheckpointError as exc:
             log.warning("the replica placement was not recorded in the run directory: %s", exc)
+
+    def replica_lag(self) -> ReplicaLag | None:
+        """How far this rank's replicas trail its snapshots; None without replicas."""
+        return self._rounds.lag() if self._rounds is not None else None
 
     def wait_replica(self) -> None:
         """Block until this rank's part of the replica round in flight is done (its failures are logged)."""

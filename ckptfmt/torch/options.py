@@ -65,7 +65,8 @@ class MemoryOptions:
     ``memory_dir`` (default ``$CKPTFMT_MEMORY_DIR`` or ``/dev/shm/ckptfmt-<uid>``), ``slots`` in the ring,
     ``persist_duty`` (the share of time a durable copy from memory may take), ``replicate`` (a copy of each rank's
     share on another node), ``replicas`` (with ``replicate``: how many copies, each on a node of another failure
-    domain, ``$CKPTFMT_FAILURE_DOMAIN``), ``peer_timeout`` (seconds a rank waits for its peers), ``close_timeout``
+    domain, ``$CKPTFMT_FAILURE_DOMAIN``), ``replica_rate`` (bytes a second on each replica link; None: no limit),
+    ``peer_timeout`` (seconds a rank waits for its peers), ``close_timeout``
     (seconds ``close()`` waits for a durable copy, None: until done).
     """
 
@@ -75,6 +76,7 @@ class MemoryOptions:
     persist_duty: float = 0.5
     replicate: bool = False
     replicas: int = 1
+    replica_rate: float | None = None
     peer_timeout: float = DEDICATED_TIMEOUT.total_seconds()
     close_timeout: float | None = None
 
@@ -86,6 +88,8 @@ class MemoryOptions:
         check_replicas(self.replicas)
         if self.replicas != 1 and not self.replicate:
             raise UsageError(f"replicas={self.replicas} counts the copies replicate=True makes: give replicate=True")
+        if self.replica_rate is not None and (not self.replicate or not self.replica_rate > 0):
+            raise UsageError("replica_rate is a positive number of bytes a second for replicate=True's copies")
         if not self.every:
             # memory_dir= and peer_timeout= may be given for a run that turns the tier on elsewhere (they do nothing)
             given = [
@@ -197,6 +201,7 @@ def resolve(
                 ("persist_duty", "persist_duty"),
                 ("replicate", "replicate"),
                 ("replicas", "replicas"),
+                ("replica_rate", "replica_rate"),
                 ("peer_timeout", "peer_timeout"),
                 ("close_timeout", "close_timeout"),
             ),
