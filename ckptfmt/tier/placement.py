@@ -57,30 +57,43 @@ def place_nodes(domains: Mapping[str, str], replicas: int) -> dict[str, tuple[st
         members.setdefault(label[node], []).append(node)
     order = sorted(members)
     path = {d: domain_path(d) if not d.startswith("\0") else ("\0", d) for d in order}
+    labelled = any(not d.startswith("\0") for d in order)
+    # by domain, not by node: O(domains^2)
+    picks = {own: _domains_for(at, order, path, replicas, labelled) for at, own in enumerate(order)}
     out: dict[str, tuple[str, ...]] = {}
     for node in sorted(label):
         own = label[node]
-        at = order.index(own)
         mine = members[own].index(node)
-        rest = [order[(at + i) % len(order)] for i in range(1, len(order))]  # rotation: the next domain first
-        picked: list[str] = []
-        while rest and len(picked) < replicas:
-            best = min(
-                rest,
-                key=lambda d: (
-                    shared(path[d], path[own]),
-                    max((shared(path[d], path[p]) for p in picked), default=0),
-                    rest.index(d),
-                ),
-            )
-            rest.remove(best)
-            picked.append(best)
+        picked = picks[own]
         chosen = [members[d][mine % len(members[d])] for d in picked]
         if len(chosen) < replicas:  # fewer other domains than copies: other nodes, outside the writer's node
             others = [n for d in [*picked, own] for n in members[d] if n != node and n not in chosen]
             chosen += others[: replicas - len(chosen)]
         out[node] = tuple(chosen)
     return out
+
+
+def _domains_for(
+    at: int, order: list[str], path: Mapping[str, tuple[str, ...]], replicas: int, labelled: bool
+) -> list[str]:
+    """The domains a node of ``order[at]`` sends its copies to, first choice first (the module docstring's rule)."""
+    own = order[at]
+    if not labelled:  # no node has a label: every other domain ranks alike, the rotation decides (O(k), not O(n))
+        return [order[(at + i) % len(order)] for i in range(1, min(replicas + 1, len(order)))]
+    rest = {order[(at + i) % len(order)]: i for i in range(1, len(order))}  # rotation: the next domain first
+    picked: list[str] = []
+    while rest and len(picked) < replicas:
+        best = min(
+            rest,
+            key=lambda d: (
+                shared(path[d], path[own]),
+                max((shared(path[d], path[p]) for p in picked), default=0),
+                rest[d],
+            ),
+        )
+        del rest[best]
+        picked.append(best)
+    return picked
 
 
 def place_ranks(nodes: Sequence[str], domains: Mapping[str, str], replicas: int) -> dict[int, tuple[int, ...]]:

@@ -127,10 +127,12 @@ def summarize(
         groups = groups_of.get(ckpt_id)
         if groups is None:
             continue
+        named = {rank_of_file(p) for h in held for p in h.files}  # only the ranks it has files of: O(its files)
+        candidates = {OTHER if r is None else r for r in named} & set(groups)
         whole = [
             rank
-            for rank, files in groups.items()
-            if any(all(h.files.get(p) == size for p, size in files.items()) for h in held)
+            for rank in candidates
+            if any(all(h.files.get(p) == size for p, size in groups[rank].items()) for h in held)
         ]
         out.append(
             Completeness(checkpoint_id=ckpt_id, step=held[0].step, writers=to_ranges(groups), held=to_ranges(whole))
