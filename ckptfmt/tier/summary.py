@@ -115,10 +115,13 @@ def rank_groups(manifest_bytes: bytes) -> dict[int, dict[str, int]]:
 
 
 def summarize(
-    holdings: Sequence[Holding], groups_of: Mapping[str, Mapping[int, Mapping[str, int]]]
+    holdings: Sequence[Holding],
+    groups_of: Mapping[str, Mapping[int, Mapping[str, int]]],
+    writers_of: Mapping[str, Ranges] | None = None,
 ) -> list[Completeness]:
     """One node's summaries, from its holdings (checked as MEM-17 asks, by :func:`~.holdings.node_holdings`) and the
-    :func:`rank_groups` of their checkpoints' manifests (each hashing to its id); newest step first."""
+    :func:`rank_groups` of their checkpoints' manifests (each hashing to its id); newest step first. ``writers_of``:
+    each checkpoint's writer ranks where the caller has them already (else computed from its groups, O(ranks))."""
     by_id: dict[str, list[Holding]] = {}
     for holding in holdings:
         by_id.setdefault(holding.checkpoint_id, []).append(holding)
@@ -128,14 +131,19 @@ def summarize(
         if groups is None:
             continue
         named = {rank_of_file(p) for h in held for p in h.files}  # only the ranks it has files of: O(its files)
-        candidates = {OTHER if r is None else r for r in named} & set(groups)
+        candidates = {c for c in (OTHER if r is None else r for r in named) if c in groups}
         whole = [
             rank
             for rank in candidates
             if any(all(h.files.get(p) == size for p, size in groups[rank].items()) for h in held)
         ]
         out.append(
-            Completeness(checkpoint_id=ckpt_id, step=held[0].step, writers=to_ranges(groups), held=to_ranges(whole))
+            Completeness(
+                checkpoint_id=ckpt_id,
+                step=held[0].step,
+                writers=writers_of[ckpt_id] if writers_of and ckpt_id in writers_of else to_ranges(groups),
+                held=to_ranges(whole),
+            )
         )
     return sorted(out, key=lambda c: (c.step, c.checkpoint_id), reverse=True)
 
