@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest.json"
 PINS_NAME = "pins.json"
+PLACEMENT_NAME = "replica-placement.json"  # the job's replica count and failure domains (tier/placement_record.py)
 RESTORE_NAME = "last-restore.json"  # the newest restore's report (what each tier held, moved, cost)
 MAX_POINTER_BYTES = 1 << 20  # latest.json and pins.json: a name, a step, an id; a list of names
 _STEP = re.compile(r"(\d+)$")
@@ -323,6 +324,18 @@ class RunDirectory:
         except CheckpointError:
             return None
         return value if isinstance(value, dict) else None
+
+    def record_placement(self, record: Mapping[str, object]) -> None:
+        """Write the job's replica placement (``replica-placement.json``, :mod:`ckptfmt.tier.placement_record`): a
+        record for ``ckpt ls``, never read to restore."""
+        self._replace(PLACEMENT_NAME, record)
+
+    def placement(self) -> object:
+        """The recorded replica placement as parsed JSON, or None when there is none or it cannot be read."""
+        try:
+            return self._read_pointer(PLACEMENT_NAME)
+        except CheckpointError:
+            return None
 
     def set_pinned(self, names: Iterable[str]) -> None:
         self._replace(PINS_NAME, {"pinned": sorted(set(names))})

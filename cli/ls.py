@@ -9,10 +9,14 @@ from typing import Any
 
 import click
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import CheckpointError, UsageError
+from ckptfmt.manifest_io import read_manifest_bytes
+from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.paths import MANIFEST_NAME
 from ckptfmt.run import RunDirectory
-from ckptfmt.storage import FileInfo
+from ckptfmt.storage import FileInfo, open_store
+from ckptfmt.tier.binding import SlotBinding
+from ckptfmt.tier.placement_record import PLACEMENT_NAME, PlacementRecord
 
 from .errors import reports_errors
 from .options import json_output, storage_options
@@ -112,8 +116,9 @@ def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None
     for stray in strays(files):
         info(f"skipped {stray}: symlinks and special files in a run directory are never followed")
     restore = run.last_restore()
+    replicas = replica_holders(run, entries)
     if as_json:
-        emit_json({"url": run_url, "checkpoints": entries, "last_restore": restore})
+        emit_json({"url": run_url, "checkpoints": entries, "last_restore": restore, "replicas": replicas})
         return
     rows = [[e["name"], e["step"], e["created"], human_bytes(e["size"]), e["status"]] for e in entries]
     headers = ["NAME", "STEP", "CREATED", "SIZE", "STATUS"]
@@ -124,8 +129,50 @@ def ls_cmd(run_url: str, storage_options: dict[str, Any], as_json: bool) -> None
             row[4:4] = [human_bytes(e["referenced_bytes"]) if e["referenced_bytes"] else "-"]
             row.append(",".join(e["bases"]) or "-")
     click.echo(table(headers, rows))
+    if replicas is not None:
+        click.echo("\n" + "\n".join(describe_replicas(replicas)))
     if restore is not None:
         click.echo("\n" + "\n".join(describe_restore(restore)))
+
+
+def replica_holders(run: RunDirectory, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """For the newest committed snapshot of the run (a checkpoint written by the memory tier), which failure domains
+    hold each rank's files: its own node's, and those of its copies (the recorded placement, recomputed from the
+    snapshot's nodes). None without a placement record or such a checkpoint."""
+    data = run.placement()
+    if data is None:
+        return None
+    try:
+        record = PlacementRecord.from_dict(data)
+    except CheckpointError as exc:
+        info(f"{PLACEMENT_NAME}: {exc}")
+        return None
+    for entry in entries:
+        if entry["status"] != "committed":
+            continue
+        try:
+            manifest = parse_manifest(
+                read_manifest_bytes(open_store(run.child_url(entry["name"]), run.storage_options))
+            )
+            nodes = SlotBinding.from_metadata(manifest.metadata).nodes
+        except CheckpointError:
+            continue  # not a memory snapshot's copy (a direct save): no node of its ranks is known
+        if nodes:
+            return {
+                "checkpoint": entry["name"],
+                "step": entry["step"],
+                "replicas": record.replicas,
+                "ranks": record.holders(nodes),
+            }
+    return None
+
+
+def describe_replicas(replicas: Mapping[str, Any]) -> list[str]:
+    lines = [f"replicas ({replicas['replicas']} a rank) of {replicas['checkpoint']}, by failure domain:"]
+    for r in replicas["ranks"]:
+        copies = ", ".join(r["copies"]) or "none"
+        lines.append(f"  rank {r['rank']}: {r['domain']} (node {r['node']}); copies in {copies}")
+    return lines
 
 
 def describe_restore(report: Mapping[str, Any]) -> list[str]:

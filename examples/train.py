@@ -341,6 +341,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(<memory-dir>/<key>) are the R-th name",
     )
     p.add_argument(
+        "--domain-of-rank",
+        metavar="rack-a,rack-a,rack-b",
+        help="with --node-of-rank: rank R's failure domain ($CKPTFMT_FAILURE_DOMAIN) is the R-th label",
+    )
+    p.add_argument("--replicas", type=int, default=1, help="with --replicate: copies of each rank's files")
+    p.add_argument(
         "--lose-node-at-step",
         type=int,
         metavar="N",
@@ -379,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         node = args.node_of_rank.split(",")[rank]
         os.environ["CKPTFMT_NODE_KEY"] = node
         memory_dir = os.path.join(memory_dir or default_memory_dir(), node)
+    if args.domain_of_rank:
+        os.environ["CKPTFMT_FAILURE_DOMAIN"] = args.domain_of_rank.split(",")[rank]
     mgr = CheckpointManager(
         args.run_dir,
         keep_last=args.keep_last,
@@ -386,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_every=args.memory_every,
         memory_dir=memory_dir,
         replicate=args.replicate,
+        replicas=args.replicas,
         peer_timeout=args.peer_timeout,
     )
     skip = (args.withhold,) if args.withhold else ()

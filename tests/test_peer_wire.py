@@ -185,21 +185,21 @@ def test_a_replica_sender_refuses_an_oversized_have_list_and_ack(tmp_path: Path)
     source, manifest, files = snapshot(tmp_path)
     channel = Announcing([192 << 20])
     with pytest.raises(MessageTooLargeError, match="a have-list: rank 1 announced"):
-        replicator(tmp_path, channel)._send(3, source.url, manifest, files)
+        replicator(tmp_path, channel)._send(3, 1, source.url, manifest, files)
     assert channel.bounds == [header_bound(len(files))]
 
     channel = Announcing([b"[]", ACK_BYTES + 1])
     with pytest.raises(MessageTooLargeError, match="an ack: rank 1 announced"):
-        replicator(tmp_path, channel)._send(3, source.url, manifest, files)
+        replicator(tmp_path, channel)._send(3, 1, source.url, manifest, files)
     assert channel.bounds == [header_bound(len(files)), ACK_BYTES]
 
 
 def test_a_replica_sender_refuses_a_malformed_have_list(tmp_path: Path) -> None:
     source, manifest, files = snapshot(tmp_path)
     with pytest.raises(MalformedMessageError, match="rank 1 sent a malformed have-list"):
-        replicator(tmp_path, Announcing([b'{"a": 1}']))._send(3, source.url, manifest, files)
+        replicator(tmp_path, Announcing([b'{"a": 1}']))._send(3, 1, source.url, manifest, files)
     with pytest.raises(MalformedMessageError, match="a have-list from rank 1"):
-        replicator(tmp_path, Announcing([b"[" * 10_000]))._send(3, source.url, manifest, files)
+        replicator(tmp_path, Announcing([b"[" * 10_000]))._send(3, 1, source.url, manifest, files)
 
 
 def test_a_replica_receiver_bounds_the_header_by_the_round_s_manifest(tmp_path: Path) -> None:

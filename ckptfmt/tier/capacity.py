@@ -69,7 +69,7 @@ def agree_capacity(
         mine = sum(totals[r] for r in nodes.ranks_of(node))
         sources: set[int] = set()  # whose copies this node's ranks receive (rewritten in place by the rounds)
         if replicas:
-            mine *= 2
+            mine *= 1 + nodes.replicas  # its own share, and a copy of a share for each replica it holds
             sources = {s for r in nodes.ranks_of(node) for s in nodes.sources_of(r)}
         try:
             verdict = {"spare": _room(tier, ring_slots, run_url, mine, sources)}

@@ -12,14 +12,15 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..collective import Collective
 from ..decide import decide
 from ..errors import CheckpointError, MalformedMessageError, StorageError, UsageError
 from .binding import NODE_KEY_ENV
+from .placement import DOMAIN_ENV, check_replicas, place_ranks, sources
 from .ring import MEMORY_DIR_ENV
 
 MAX_NODE_MESSAGE = 64 << 10  # a node key (or a directory path) and the JSON around it
@@ -32,21 +33,27 @@ class NodeMap:
     """The node of each rank, by rank."""
 
     nodes: tuple[str, ...]
+    # each node's failure-domain label (placement.py); a node absent or "" is a domain of its own
+    domains: Mapping[str, str] = field(default_factory=dict)
+    replicas: int = 1  # copies of each rank's files, on nodes of distinct domains (MEM-19)
 
     @classmethod
-    def gather(cls, collective: Collective | None, node: str) -> NodeMap:
-        """Every rank's node key, on every rank (a collective call). A rank that sends something other than a
-        non-empty string fails every rank at once, with one error naming it."""
+    def gather(cls, collective: Collective | None, node: str, domain: str = "", replicas: int = 1) -> NodeMap:
+        """Every rank's node key and failure domain, on every rank (a collective call). A rank that sends something
+        other than a non-empty node key and a domain string, or a domain other than its node's other ranks', fails
+        every rank at once, with one error naming it."""
+        check_replicas(replicas)
         if collective is None:
-            return cls(nodes=(node,))
-        nodes = decide(collective, node, _node_keys, what="the node map", max_size=MAX_NODE_MESSAGE)
+            return cls(nodes=(node,), domains={node: domain} if domain else {}, replicas=replicas)
+        entries = decide(collective, [node, domain], _node_keys, what="the node map", max_size=MAX_NODE_MESSAGE)
         if (
-            not isinstance(nodes, list)
-            or len(nodes) != collective.world_size
-            or not all(isinstance(n, str) and n for n in nodes)
+            not isinstance(entries, list)
+            or len(entries) != collective.world_size
+            or not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries)
+            or not all(e[0] for e in entries)
         ):
             raise MalformedMessageError("the node map: rank 0 broadcast a malformed one")
-        return cls(nodes=tuple(nodes))
+        return cls(nodes=tuple(e[0] for e in entries), domains={e[0]: e[1] for e in entries if e[1]}, replicas=replicas)
 
     def prove_shared(self, collective: Collective | None, root: str | os.PathLike[str]) -> None:
         """Refuse, on every rank at once, ranks that report one node but do not share its memory directory (a
@@ -146,30 +153,33 @@ class NodeMap:
         index = {n: i for i, n in enumerate(self.names)}
         return tuple(index[n] for n in self.nodes)
 
-    def partners(self) -> dict[int, int]:
-        """Source rank -> the rank on another node that holds its replica: the j-th rank of a node sends to the
-        j-th rank (modulo its size) of the next node in order, so each copy is on another node and the receivers
-        are spread. Empty for a single node: there is nowhere else to put a copy."""
-        names = self.names
-        if len(names) < 2:
-            return {}
-        out: dict[int, int] = {}
-        for i, node in enumerate(names):
-            there = self.ranks_of(names[(i + 1) % len(names)])
-            for j, rank in enumerate(self.ranks_of(node)):
-                out[rank] = there[j % len(there)]
-        return out
+    def partners(self) -> dict[int, tuple[int, ...]]:
+        """Source rank -> the ranks on other nodes that hold its ``replicas`` copies, on nodes of distinct failure
+        domains (:func:`~.placement.place_ranks`). Empty for a single node: there is nowhere else to put a copy."""
+        return place_ranks(self.nodes, self.domains, self.replicas)
 
     def sources_of(self, rank: int) -> list[int]:
         """The ranks that send their replicas to ``rank``, in rank order."""
-        return sorted(src for src, dst in self.partners().items() if dst == rank)
+        return sources(self.partners(), rank)
+
+    def domain_of(self, node: str) -> str:
+        """A node's failure-domain label; the node key itself where it has none."""
+        return self.domains.get(node) or node
 
 
-def _node_keys(values: Sequence[Any]) -> list[str]:
+def _node_keys(values: Sequence[Any]) -> list[list[str]]:
+    first: dict[str, str] = {}
     for rank, value in enumerate(values):
-        if not isinstance(value, str) or not value:
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0]):
             raise MalformedMessageError(f"the node map: rank {rank} sent a node key that is not a non-empty string")
-    return list(values)
+        if not isinstance(value[1], str):
+            raise MalformedMessageError(f"the node map: rank {rank} sent a failure domain that is not a string")
+        if first.setdefault(value[0], value[1]) != value[1]:
+            raise UsageError(
+                f"rank {rank} reports failure domain {value[1]!r} for node {value[0]!r}, whose other ranks report "
+                f"{first[value[0]]!r}: give every rank of a node the same ${DOMAIN_ENV}"
+            )
+    return [list(v) for v in values]
 
 
 def _ranks(ranks: Sequence[int]) -> str:

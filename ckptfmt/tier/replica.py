@@ -1,8 +1,9 @@
-"""Replicas: each rank's files of a committed memory snapshot, copied to its partner on another node.
+"""Replicas: each rank's files of a committed memory snapshot, copied to its partners on other nodes.
 
-A **round** replicates one snapshot: every rank that has a partner (:meth:`NodeMap.partners`) sends the files it
-wrote, and every rank receives from the ranks that chose it, each direction on a thread of its own, beside
-training. The copy lands in the receiver's memory directory, beside its own slots, as
+A **round** replicates one snapshot: every rank that has partners (:meth:`NodeMap.partners`: ``replicas`` of
+them, on nodes of distinct failure domains, :mod:`.placement`) sends the files it wrote to each, and every rank
+receives from the ranks that chose it, each transfer on a thread of its own, beside training. The copy lands in
+the receiver's memory directory, beside its own slots, as
 ``peer-<source rank>-<k>`` (a ring of two per source, so the copy being written never replaces the newest one),
 and counts only once every file arrived and checked and its manifest was written last (:mod:`.wire`).
 
@@ -29,6 +30,7 @@ from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..storage.slot import SlotStore
 from .holdings import PEER_PREFIX
+from .link_rate import RateLimitedChannel
 from .nodes import NodeMap
 from .persist import lower_thread_priority
 from .ring import MemoryTier, private_dir_problem
@@ -65,23 +67,28 @@ class RoundInFlight:
 
     round_no: int
     step: int
-    sending: Future[int]
+    sending: list[Future[int]]
     receiving: list[Future[int]]
 
     def done(self) -> bool:
-        return self.sending.done() and all(f.done() for f in self.receiving)
+        return all(f.done() for f in (*self.sending, *self.receiving))
 
 
 class Replicator:
     """One rank's side of replication over ``channel`` (its own process group: rounds run beside training)."""
 
-    def __init__(self, tier: MemoryTier, channel: PeerChannel, nodes: NodeMap, rank: int) -> None:
+    def __init__(
+        self, tier: MemoryTier, channel: PeerChannel, nodes: NodeMap, rank: int, *, rate: float | None = None
+    ) -> None:
+        """``rate``: bytes a second on each link this rank sends on (None: as fast as the channel goes)."""
         self.tier = tier
-        self.channel = channel
+        self.channel: PeerChannel = channel if rate is None else RateLimitedChannel(channel, rate)
         self.rank = rank
-        self.partner = nodes.partners().get(rank)
+        self.partners = nodes.partners().get(rank, ())
         self.sources = nodes.sources_of(rank)
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptfmt-replica")
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self.partners) + len(self.sources) or 1, thread_name_prefix="ckptfmt-replica"
+        )
         self._round: RoundInFlight | None = None
         self._lock = threading.Lock()
         self.rounds = 0
@@ -92,6 +99,15 @@ class Replicator:
         self.last: RoundResult | None = None
         self.failures: list[str] = []
         self.skipped_bytes = 0  # not sent: the partner held them already (data-parallel replicas)
+        self._replicated: int | None = None  # the newest step whose every copy of this rank's files is committed
+
+    def replicated_step(self) -> int | None:
+        """The newest step whose round this rank finished with every partner acknowledging its copy."""
+        current = self._round
+        done = current is not None and current.done() and all(f.exception() is None for f in current.sending)
+        if done and current is not None and (self._replicated is None or current.step > self._replicated):
+            self._replicated = current.step
+        return self._replicated
 
     def busy(self) -> bool:
         """Whether this rank's part of the last round is still running."""
@@ -115,9 +131,10 @@ class Replicator:
         the manifest's are not sent again."""
         tag = 1 + round_no % (_HAVE - 1)
         if self._round is not None:
+            self.replicated_step()
             self.wait()  # done already (every rank agreed it was), but not yet accounted
         local = local or {}
-        sending: Future[int] = self._pool.submit(self._send, tag, slot_path, manifest_bytes, files)
+        sending = [self._pool.submit(self._send, tag, dst, slot_path, manifest_bytes, files) for dst in self.partners]
         receiving = [
             self._pool.submit(self._receive, tag, src, round_no, manifest_bytes, local.get(src, ()))
             for src in self.sources
@@ -125,16 +142,16 @@ class Replicator:
         self._round = RoundInFlight(round_no, step, sending, receiving)
         self.rounds += 1
 
-    def _settle(self, round_no: int, step: int, sending: Future[int], receiving: list[Future[int]]) -> None:
+    def _settle(self, round_no: int, step: int, sending: list[Future[int]], receiving: list[Future[int]]) -> None:
         with self._lock:
             if self.last is not None and self.last.round_no == round_no:
                 return
-            sent = _value(sending, self.failures, f"round {round_no} (step {step}): send")
+            sent = sum(_value(f, self.failures, f"round {round_no} (step {step}): send") for f in sending)
             got = [_value(f, self.failures, f"round {round_no} (step {step}): receive") for f in receiving]
             self.bytes_sent += sent
             self.bytes_received += sum(got)
             committed = tuple(s for s, f in zip(self.sources, receiving, strict=True) if f.exception() is None)
-            if any(_dropped(f) for f in (sending, *receiving)):
+            if any(_dropped(f) for f in (*sending, *receiving)):
                 self.dropped += 1
             self.last = RoundResult(round_no=round_no, step=step, sent=sent, received=sum(got), committed=committed)
 
@@ -148,15 +165,14 @@ class Replicator:
             raise UnsafePathError(f"peer copy directory refused: {problem}", path=path)
         return path
 
-    def _send(self, tag: int, slot_path: str, manifest_bytes: bytes, files: list[str]) -> int:
-        """The partner first says which files it has already (written from its own identical state); the rest go."""
-        if self.partner is None:
-            return 0
+    def _send(self, tag: int, dst: int, slot_path: str, manifest_bytes: bytes, files: list[str]) -> int:
+        """The partner ``dst`` first says which files it has already (written from its own identical state); the
+        rest go. Each of a rank's partners gets its own send, on its own thread."""
         lower_thread_priority()
         listed = parse_manifest(manifest_bytes).files
-        have = self._message(tag + _HAVE, header_bound(len(listed)), "a have-list")
+        have = self._message(dst, tag + _HAVE, header_bound(len(listed)), "a have-list")
         if not isinstance(have, list) or not all(isinstance(p, str) for p in have):
-            raise MalformedMessageError(f"rank {self.partner} sent a malformed have-list")
+            raise MalformedMessageError(f"rank {dst} sent a malformed have-list")
         held = set(have)
         self.skipped_bytes += sum(f.size for f in listed if f.path in held)
         source = SlotStore(slot_path)
@@ -171,7 +187,7 @@ class Replicator:
 
         sent = send_files(
             self.channel,
-            dst=self.partner,
+            dst=dst,
             tag=tag,
             source=source,
             manifest_bytes=manifest_bytes,
@@ -180,18 +196,17 @@ class Replicator:
         )
         # The partner's word that the copy is committed: a send returns once gloo has the bytes, not once they are
         # in the partner's memory (a node killed right after its send could leave the copy cut off).
-        ack = self._message(tag + _HAVE, ACK_BYTES, "an ack")
+        ack = self._message(dst, tag + _HAVE, ACK_BYTES, "an ack")
         if not isinstance(ack, dict) or ack.get("ok") is not True:
             why = ack.get("error") if isinstance(ack, dict) else None
-            raise rewritten() or CollectiveError(f"rank {self.partner} did not commit the copy: {why}")
+            raise rewritten() or CollectiveError(f"rank {dst} did not commit the copy: {why}")
         return sent
 
-    def _message(self, tag: int, max_size: int, what: str) -> object:
-        """The partner's next JSON message on ``tag``: refused unread past ``max_size``, parsed by the bounded
-        reader; either refusal names the partner."""
-        assert self.partner is not None
-        data = receive_bounded(self.channel, self.partner, tag, max_size, what)
-        return load_json(data, error=MalformedMessageError, what=f"{what} from rank {self.partner}")
+    def _message(self, src: int, tag: int, max_size: int, what: str) -> object:
+        """The partner ``src``'s next JSON message on ``tag``: refused unread past ``max_size``, parsed by the
+        bounded reader; either refusal names the partner."""
+        data = receive_bounded(self.channel, src, tag, max_size, what)
+        return load_json(data, error=MalformedMessageError, what=f"{what} from rank {src}")
 
     def _receive(self, tag: int, src: int, round_no: int, manifest_bytes: bytes, local: Sequence[FileRecord]) -> int:
         """One source's files into ``peer-<src>-<k>``: un-committed first, manifest written last. Files this rank
@@ -233,7 +248,7 @@ class Replicator:
         replica is a second copy: losing one costs protection against a node loss, not the run)."""
         current = self._round
         if current is not None:
-            for future in (current.sending, *current.receiving):
+            for future in (*current.sending, *current.receiving):
                 try:
                     future.result()
                 except Exception:

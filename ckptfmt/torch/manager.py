@@ -56,6 +56,7 @@ from .guard import GuardError, GuardEvent, GuardOptions, GuardVerdict, StepGuard
 from .memory import MemorySnapshots
 from .memory_engine import MemoryEngine
 from .options import DurableOptions, MemoryOptions, PreemptionOptions, RestoreOptions, RetentionOptions, resolve
+from .replica_rounds import ReplicaLag
 from .restore_report import RestoreReport
 from .restorer import Restorer
 from .snapshot import Snapshot
@@ -86,6 +87,8 @@ class CheckpointManager:
         memory_slots: int = 2,
         persist_duty: float = 0.5,
         replicate: bool = False,
+        replicas: int = 1,
+        replica_rate: float | None = None,
         peer_timeout: float = api.DEDICATED_TIMEOUT.total_seconds(),
         incremental: bool = False,
         full_every: int = 10,
@@ -120,6 +123,8 @@ class CheckpointManager:
                 "memory_slots": memory_slots,
                 "persist_duty": persist_duty,
                 "replicate": replicate,
+                "replicas": replicas,
+                "replica_rate": replica_rate,
                 "peer_timeout": peer_timeout,
                 "close_timeout": close_timeout,
                 "preemption_signals": tuple(preemption_signals),
@@ -310,6 +315,11 @@ class CheckpointManager:
         """Block until the memory snapshot in flight is committed in its slot (not persisted)."""
         if self._memory_engine is not None:
             self._memory_engine.wait_written()
+
+    @property
+    def replica_lag(self) -> ReplicaLag | None:
+        """How far this rank's replicas trail its snapshots (steps and seconds); None without replicas."""
+        return self._memory_engine.replica_lag() if self._memory_engine is not None else None
 
     def wait_replica(self) -> RoundResult | None:
         """Block until the memory snapshot in flight is committed and this rank's part of its replica round is

@@ -71,10 +71,12 @@ from ..tier.candidates import MemoryCandidate, RunSlots
 from ..tier.capacity import agree_capacity
 from ..tier.nodes import NodeMap
 from ..tier.persist import Persisted
+from ..tier.placement import DOMAIN_ENV
+from ..tier.placement_record import PlacementRecord
 from ..tier.replica import Replicator
 from ..tier.ring import RingPolicy, SlotRef
 from .persist_queue import CopySlot, PersistQueue
-from .replica_rounds import ReplicaRounds
+from .replica_rounds import ReplicaLag, ReplicaRounds
 from .signal_watcher import SignalWatcher
 from .snapshot_writer import SnapshotWriter, state_bytes
 from .state import Snapshot
@@ -98,6 +100,8 @@ class MemorySnapshots:
         codec: str | None = None,
         on_persisted: Callable[[Persisted], None] | None = None,
         replicate: bool = False,
+        replicas: int = 1,
+        replica_rate: float | None = None,
         channel: PeerChannel | None = None,
         write_durable: Callable[[int, Snapshot, CheckpointError | None], None] | None = None,
         close_timeout: float | None = None,
@@ -117,7 +121,7 @@ class MemorySnapshots:
         self.node = node_key()
         self.run_id = run_identity(run.url)
         self.world_size = collective.world_size if collective is not None else 1
-        self.nodes = NodeMap.gather(collective, self.node)
+        self.nodes = NodeMap.gather(collective, self.node, os.environ.get(DOMAIN_ENV, ""), replicas)
         self.channel = channel
         self.tier.ensure()
         # the ranks of each node prove that they share the memory directory (MEM-15), every rank together: ranks
@@ -134,7 +138,9 @@ class MemorySnapshots:
         elif replicate:
             if channel is None:
                 raise UsageError("replicate=True needs a channel between ranks (torch.distributed)")
-            self.replicator = Replicator(self.tier, channel, self.nodes, self.rank)
+            self.replicator = Replicator(self.tier, channel, self.nodes, self.rank, rate=replica_rate)
+            if self.rank == 0:
+                self._record_placement(run)
         self._rounds = (
             ReplicaRounds(self.replicator, collective, self.tier, self.world_size)
             if self.replicator is not None
@@ -346,6 +352,18 @@ class MemorySnapshots:
     def wait_snapshot(self) -> None:
         """Block until the snapshot in flight is committed; raise its failure."""
         self._snapshots.wait_snapshot()
+
+    def _record_placement(self, run: RunDirectory) -> None:
+        """The replica count and domains, for ``ckpt ls``; a record only: failing to write it costs no snapshot."""
+        record = PlacementRecord(replicas=self.nodes.replicas, domains=self.nodes.domains)
+        try:
+            run.record_placement(record.to_dict())
+        except CheckpointError as exc:
+            log.warning("the replica placement was not recorded in the run directory: %s", exc)
+
+    def replica_lag(self) -> ReplicaLag | None:
+        """How far this rank's replicas trail its snapshots; None without replicas."""
+        return self._rounds.lag() if self._rounds is not None else None
 
     def wait_replica(self) -> None:
         """Block until this rank's part of the replica round in flight is done (its failures are logged)."""

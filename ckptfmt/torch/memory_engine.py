@@ -29,6 +29,7 @@ from .durable import DurableEngine
 from .engines import Due
 from .memory import MemorySnapshots
 from .options import DurableOptions, MemoryOptions, RetentionOptions
+from .replica_rounds import ReplicaLag
 from .state import Snapshot
 from .training_state import Lineage, TrainingState
 
@@ -78,6 +79,8 @@ class MemoryEngine:
             codec=codec,
             on_persisted=self._on_persisted,
             replicate=options.replicate,
+            replicas=options.replicas,
+            replica_rate=options.replica_rate,
             channel=channel,
             write_durable=self._write_durable,
             close_timeout=options.close_timeout,
@@ -145,6 +148,9 @@ class MemoryEngine:
         """Block until the snapshot in flight is committed in its slot (not persisted)."""
         self.snapshots.wait_snapshot()
         self._note_newest()
+
+    def replica_lag(self) -> ReplicaLag | None:
+        return self.snapshots.replica_lag()
 
     def wait_replica(self) -> RoundResult | None:
         self.snapshots.wait_replica()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 from ..errors import UsageError
+from ..tier.placement import check_replicas
 from .api import DEDICATED_TIMEOUT, Policy
 
 T = TypeVar("T")
@@ -63,8 +64,10 @@ class MemoryOptions:
 
     ``memory_dir`` (default ``$CKPTFMT_MEMORY_DIR`` or ``/dev/shm/ckptfmt-<uid>``), ``slots`` in the ring,
     ``persist_duty`` (the share of time a durable copy from memory may take), ``replicate`` (a copy of each rank's
-    share on another node), ``peer_timeout`` (seconds a rank waits for its peers), ``close_timeout`` (seconds
-    ``close()`` waits for a durable copy, None: until done).
+    share on another node), ``replicas`` (with ``replicate``: how many copies, each on a node of another failure
+    domain, ``$CKPTFMT_FAILURE_DOMAIN``), ``replica_rate`` (bytes a second on each replica link; None: no limit),
+    ``peer_timeout`` (seconds a rank waits for its peers), ``close_timeout``
+    (seconds ``close()`` waits for a durable copy, None: until done).
     """
 
     every: int = 0
@@ -72,6 +75,8 @@ class MemoryOptions:
     slots: int = 2
     persist_duty: float = 0.5
     replicate: bool = False
+    replicas: int = 1
+    replica_rate: float | None = None
     peer_timeout: float = DEDICATED_TIMEOUT.total_seconds()
     close_timeout: float | None = None
 
@@ -80,6 +85,11 @@ class MemoryOptions:
             raise UsageError("memory_every must be 0 (off) or a number of steps")
         if self.close_timeout is not None and self.close_timeout < 0:
             raise UsageError("close_timeout must be None (wait until done) or a number of seconds")
+        check_replicas(self.replicas)
+        if self.replicas != 1 and not self.replicate:
+            raise UsageError(f"replicas={self.replicas} counts the copies replicate=True makes: give replicate=True")
+        if self.replica_rate is not None and (not self.replicate or not self.replica_rate > 0):
+            raise UsageError("replica_rate is a positive number of bytes a second for replicate=True's copies")
         if not self.every:
             # memory_dir= and peer_timeout= may be given for a run that turns the tier on elsewhere (they do nothing)
             given = [
@@ -190,6 +200,8 @@ def resolve(
                 ("slots", "memory_slots"),
                 ("persist_duty", "persist_duty"),
                 ("replicate", "replicate"),
+                ("replicas", "replicas"),
+                ("replica_rate", "replica_rate"),
                 ("peer_timeout", "peer_timeout"),
                 ("close_timeout", "close_timeout"),
             ),

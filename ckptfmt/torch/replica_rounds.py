@@ -14,6 +14,9 @@ No lock of its own: both calls run on the snapshot writer's one thread; the repl
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..collective import Collective
 from ..decide import decide
@@ -30,17 +33,51 @@ from .state import Snapshot
 log = logging.getLogger("ckptfmt")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaLag:
+    """How far this rank's replicas trail its snapshots: ``steps`` from the newest committed snapshot back to the
+    newest one whose copies are all committed, and ``seconds`` since the oldest snapshot not yet copied committed
+    (0 and 0.0: up to date). A round that cannot keep up is coalesced: the snapshots committed meanwhile are not
+    copied, and the next round copies the newest, so the lag falls back as soon as the link keeps up."""
+
+    steps: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"steps": self.steps, "seconds": self.seconds}
+
+
 class ReplicaRounds:
     """Numbered replica rounds of one rank: its local replicas written, then each round started or skipped."""
 
     def __init__(
-        self, replicator: Replicator, collective: Collective | None, tier: MemoryTier, world_size: int
+        self,
+        replicator: Replicator,
+        collective: Collective | None,
+        tier: MemoryTier,
+        world_size: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.replicator = replicator
         self.collective = collective
         self.tier = tier
         self.world_size = world_size
         self.rounds = 0
+        self._clock = clock
+        self._waiting: dict[int, float] = {}  # committed step -> when, while no copy of it or a newer one is made
+        self._newest: int | None = None
+
+    def lag(self) -> ReplicaLag:
+        """This rank's :class:`ReplicaLag` now (snapshot writer's thread or the trainer's: reads only)."""
+        replicated = self.replicator.replicated_step()
+        waiting = dict(self._waiting)
+        behind = [s for s in waiting if replicated is None or s > replicated]
+        newest = self._newest
+        if newest is None or not behind:
+            return ReplicaLag(steps=0, seconds=0.0)
+        oldest = min(behind)
+        steps = newest - replicated if replicated is not None else newest - oldest + 1
+        return ReplicaLag(steps=steps, seconds=max(0.0, self._clock() - waiting[oldest]))
 
     def write_local(self, snap: Snapshot) -> dict[int, tuple[FileRecord, ...]]:
         """Data-parallel replicas are not copied again (spec/memory.md, replicas): when a rank that replicates to this
@@ -91,6 +128,11 @@ class ReplicaRounds:
     def start(self, slot: int, step: int, local: dict[int, tuple[FileRecord, ...]], files: list[str]) -> None:
         """Start a replica round for the snapshot just committed, when every rank's previous round is done (all
         ranks decide together: a partner still busy makes every rank skip this one, never wait)."""
+        self._waiting[step] = self._clock()
+        self._newest = step
+        replicated = self.replicator.replicated_step()
+        if replicated is not None:
+            self._waiting = {s: t for s, t in self._waiting.items() if s > replicated}
         if self.collective is None:
             return
         go = decide(
