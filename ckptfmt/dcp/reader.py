@@ -5,7 +5,9 @@
 DCP's metadata is built from the manifest: every tensor under its name when the checkpoint was written through DCP
 (its names are DCP's fully qualified names, in the ``weights`` and ``optimizer`` fields), else the ``weights`` field's
 under their names and another field's as ``<field>/<name>``, each with its global shape and its chunks; every item of
-the ``objects`` contexts as bytes.
+the ``objects`` contexts as bytes. A checkpoint with no ``objects`` context serves the ``weights`` field's context
+map instead, by name: ``ckpt convert`` of a DCP directory keeps DCP's non-tensor items there (msgpack has no tuple: a
+tuple saved through DCP and converted comes back a list).
 DCP plans the load (resharding onto any world size is DCP's), and each rank's reads go through one ckptfmt read plan:
 only the chunks, and of a chunk with block digests only the blocks, that its regions touch, every byte checked
 before DCP gets any of it. A rank reads and checks all of its regions first and copies into DCP's destination
@@ -43,8 +45,9 @@ from .writer import FIELD, NAMES_ARE_FQNS, OBJECTS, PICKLED
 
 class StorageReader(_DcpStorageReader):
     """Serves DCP's load plans from the ckptfmt checkpoint at ``url`` (module doc). ``pickled_objects``: hand DCP
-    the opaque ``torch.save`` bytes of items a writer kept with ``pickled_objects=True`` (DCP's planner unpickles
-    them, unrestricted); without it, a load that asks for one is refused, naming it."""
+    the opaque ``torch.save`` bytes of items a writer kept with ``pickled_objects=True``, each only once it loaded
+    with ``weights_only=True`` (its classes allowed by ``torch.serialization.add_safe_globals``); without it, a load
+    that asks for one is refused, naming it. Either check runs before anything is read or changed."""
 
     def __init__(
         self,
@@ -107,14 +110,8 @@ class StorageReader(_DcpStorageReader):
         tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
         objects = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
         for item in objects:  # before anything is read or changed
-            fqn = item.storage_index.fqn
-            if fqn in self._pickled and not self.pickled_objects:
-                raise UsageError(
-                    f"DCP item {fqn!r} is kept as opaque pickle bytes: loading it unpickles without restriction; "
-                    "StorageReader(pickled_objects=True) if this checkpoint is trusted",
-                    tensor=fqn,
-                    path=self.url,
-                )
+            if item.storage_index.fqn in self._pickled:
+                self._check_pickled(item.storage_index.fqn)
         with open_checkpoint(self.url, self.storage_options) as ckpt:
             arrays = ckpt.read_regions([self._target(ckpt, item) for item in tensors]) if tensors else []
         # every region read and checked: only now does anything reach DCP's destination tensors
@@ -130,7 +127,7 @@ class StorageReader(_DcpStorageReader):
             buffer = io.BytesIO()
             if fqn in self._pickled:
                 assert isinstance(value, bytes)
-                buffer.write(value)  # the writer's torch.save bytes, as they were (opted in above)
+                buffer.write(value)  # the writer's torch.save bytes, as they were (opted in and checked above)
             else:
                 torch.save(value, buffer)  # plain values only (the writer refused anything else)
             buffer.seek(0)
@@ -138,6 +135,30 @@ class StorageReader(_DcpStorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _check_pickled(self, fqn: str) -> None:
+        """Refuse opaque pickle bytes unless opted in, and then unless they load with ``weights_only=True`` (the
+        classes they build allowed with ``torch.serialization.add_safe_globals``): DCP's planner unpickles what it
+        is handed without restriction, so it is handed only bytes that the restricted unpickler accepted."""
+        if not self.pickled_objects:
+            raise UsageError(
+                f"DCP item {fqn!r} is kept as opaque pickle bytes; StorageReader(pickled_objects=True) loads it "
+                "if its classes are allowed by torch.serialization.add_safe_globals",
+                tensor=fqn,
+                path=self.url,
+            )
+        value = self._objects[fqn]
+        assert isinstance(value, bytes)
+        try:
+            torch.load(io.BytesIO(value), map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise UsageError(
+                f"DCP item {fqn!r}: its pickle bytes do not load with weights_only=True ({error.__class__.__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); allow its classes with "
+                "torch.serialization.add_safe_globals if this checkpoint is trusted",
+                tensor=fqn,
+                path=self.url,
+            ) from error
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -159,9 +180,10 @@ def _objects(ckpt: Checkpoint) -> tuple[dict[str, object], set[str], object]:
     out: dict[str, object] = {}
     pickled: set[str] = set()
     planner_data: object = None
-    for field in sorted(ckpt.fields):
-        if field != OBJECTS and not field.startswith(OBJECTS + "_r"):
-            continue
+    fields = [f for f in sorted(ckpt.fields) if f == OBJECTS or f.startswith(OBJECTS + "_r")]
+    if not fields:
+        return _converted_objects(ckpt), pickled, planner_data
+    for field in fields:
         doc = ckpt.read_context(field)
         items = unflatten(doc.get("items"), {})
         if not isinstance(items, dict):
@@ -177,6 +199,18 @@ def _objects(ckpt: Checkpoint) -> tuple[dict[str, object], set[str], object]:
         if field == OBJECTS and doc.get("planner_data") is not None:
             planner_data = unflatten(doc["planner_data"], {})
     return out, pickled, planner_data
+
+
+def _converted_objects(ckpt: Checkpoint) -> dict[str, object]:
+    """The ``weights`` field's context map: a DCP directory's non-tensor items, by name, as ``ckpt convert`` keeps
+    them (nothing if the field has no context, or a context that is not a map of names)."""
+    record = ckpt.fields.get(FIELD)
+    if record is None or record.context is None:
+        return {}
+    doc = ckpt.read_context(FIELD)
+    if not isinstance(doc, dict) or not all(isinstance(k, str) for k in doc):
+        return {}
+    return dict(doc)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
