@@ -195,11 +195,22 @@ def test_long_integer_literals_are_refused(manifest_doc: dict[str, Any], digits:
     parse_manifest(data[:-1] + b',"x_unknown":[99999999999999999999,-99999999999999999999]}')
 
 
-@pytest.mark.parametrize("text", [b"NaN", b"Infinity", b"-Infinity", b"1.5", b"1e5"])
-def test_non_integers_are_refused(manifest_doc: dict[str, Any], text: bytes) -> None:
+@pytest.mark.parametrize("text", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_json_numbers_are_refused(manifest_doc: dict[str, Any], text: bytes) -> None:
     data = manifest_bytes(manifest_doc)
     with pytest.raises(ManifestError):
         parse_manifest(data[:-1] + b',"x_unknown":' + text + b"}")
+
+
+@pytest.mark.parametrize("text", [b"1.5", b"1e5", b"4096.0"])
+def test_a_fraction_is_ignored_in_an_unknown_member_and_refused_as_an_integer_property(
+    manifest_doc: dict[str, Any], text: bytes
+) -> None:
+    data = manifest_bytes(manifest_doc)  # spec/notes/gaps-1.2.md N17
+    assert b'"size":224' in data
+    parse_manifest(data[:-1] + b',"x_unknown":' + text + b"}")
+    with pytest.raises(ManifestError):
+        parse_manifest(data.replace(b'"size":224', b'"size":' + text, 1))
 
 
 def test_a_byte_order_mark_is_refused(manifest_doc: dict[str, Any]) -> None:
