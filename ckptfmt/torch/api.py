@@ -110,6 +110,7 @@ def capture(
     scaler: Any = None,
     generators: Mapping[str, np.random.Generator] | None = None,
     extra: Mapping[str, Any] | None = None,
+    stateful: Mapping[str, Any] | None = None,
     mesh: Mapping[str, int] | None = None,
     parent: str | None = None,
     buffers: HostBuffers | None = None,
@@ -157,6 +158,9 @@ def capture(
         if name in snap.contexts or name in snap.tensors:
             raise UsageError(f"extra field {name!r} collides with a standard field")
         snap.contexts[name] = state._plain(value, name)
+    for name, obj in (stateful or {}).items():
+        state.check_stateful_name(name, taken=set(snap.contexts) | set(snap.tensors))
+        state.capture_stateful(name, obj, snap)
     return snap
 
 
@@ -291,6 +295,7 @@ def restore(
     loader: Any = None,
     scheduler: Any = None,
     scaler: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     config: object = None,
     generators: Mapping[str, np.random.Generator] | None = None,
     on_mismatch: Policy = "warn",
@@ -318,6 +323,7 @@ def restore(
             sampler=None if "data" in skip_fields else source,
             scheduler=scheduler,
             scaler=scaler,
+            stateful=stateful,
             generators=generators,
             restore_rng=restore_rng and "rng" not in skip_fields,
         )

@@ -30,6 +30,7 @@ def missing_fields(
     sampler: object = None,
     scheduler: object = None,
     scaler: object = None,
+    stateful: Mapping[str, object] | None = None,
     restore_rng: bool = True,
 ) -> list[str]:
     """The fields this restore needs that the checkpoint does not hold (e.g. a ``weights``-profile checkpoint)."""
@@ -38,6 +39,7 @@ def missing_fields(
     needed += [("data", "context")] if sampler is not None else []
     needed += [("scheduler", "context")] if scheduler is not None else []
     needed += [("grad_scaler", "context")] if scaler is not None else []
+    needed += [(name, "context") for name in stateful or {}]
     # a model-only load (e.g. of a weights-profile checkpoint) restores the RNG if there is one
     training = optimizer is not None or sampler is not None
     needed += [("rng", "context")] if restore_rng and training else []
@@ -91,13 +93,14 @@ def _rollback_point(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
     scaler: Any,
+    stateful: Mapping[str, Any],
     generators: Mapping[str, np.random.Generator] | None,
 ) -> list[tuple[str, Any]]:
     """What to put back if applying fails half-way (the model is applied last, after every check)."""
     saved: list[tuple[str, Any]] = []
     # Not the data source: it is applied after all of these, and asking some loaders for their state has
     # side effects (a fresh torchdata StatefulDataLoader's state_dict() changes its next epoch's order).
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler), *stateful.items()):
         if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             # load_state_dict gives an optimizer new state tensors and leaves the old ones alone: references
             # suffice there (no second copy of the optimizer state); the others are small.
@@ -127,17 +130,25 @@ def apply(
     sampler: Any = None,
     scheduler: Any = None,
     scaler: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     generators: Mapping[str, np.random.Generator] | None = None,
     restore_rng: bool = True,
 ) -> None:
     """Put a verified snapshot into the live objects, all or nothing.
 
     Everything is checked first (fields present, weights' names and shapes, optimizer class and groups,
-    the data position's kind); then the scheduler, scaler, optimizer, RNG and data position are applied,
+    the data position's kind); then the scheduler, scaler, other stateful objects, optimizer, RNG and data position
+    are applied,
     and the model last. If one of them still fails, the ones already applied are put back.
     """
     missing = missing_fields(
-        snap, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler, restore_rng=restore_rng
+        snap,
+        optimizer=optimizer,
+        sampler=sampler,
+        scheduler=scheduler,
+        scaler=scaler,
+        stateful=stateful,
+        restore_rng=restore_rng,
     )
     if missing:
         raise FieldNotFoundError(
@@ -150,12 +161,17 @@ def apply(
         _check_optimizer(optimizer, snap)
     if sampler is not None:
         data_position.check_restorable(sampler, snap.contexts["data"])
-    saved = _rollback_point(optimizer=optimizer, scheduler=scheduler, scaler=scaler, generators=generators)
+    stateful = dict(stateful or {})
+    saved = _rollback_point(
+        optimizer=optimizer, scheduler=scheduler, scaler=scaler, stateful=stateful, generators=generators
+    )
     try:
         if scheduler is not None:
             state.apply_stateful("scheduler", scheduler, snap)
         if scaler is not None:
             state.apply_stateful("grad_scaler", scaler, snap)
+        for name, obj in stateful.items():
+            state.apply_stateful(name, obj, snap)
         if optimizer is not None:
             state.apply_optimizer(optimizer, snap, model)
         if restore_rng:

@@ -185,6 +185,7 @@ class Restorer:
             sampler=None if "data" in skip_fields else source,
             scheduler=state.scheduler,
             scaler=state.scaler,
+            stateful=state.stateful,
             restore_rng="rng" not in skip_fields,
         )
         if missing:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import optimizer_layout
+from .. import optimizer_layout, paths
 from ..arrays import as_array, to_torch, torchify
 from ..canonical import config_hash, config_to_dict
 from ..errors import ContextError, UsageError
@@ -262,6 +262,14 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, snap: Snapshot, model: tor
 def capture_stateful(name: str, obj: Any, snap: Snapshot) -> None:
     """An LR scheduler, grad scaler, or any object with state_dict(), as a context field."""
     snap.contexts[name] = {"state": _plain(obj.state_dict(), name)}
+
+
+def check_stateful_name(name: str, *, taken: set[str]) -> None:
+    """A stateful object's field name: a valid field name (spec/manifest.md, MAN-20) not taken by another field."""
+    if not isinstance(name, str) or not paths.is_field_name(name):
+        raise UsageError(f"stateful object {name!r}: its name is not a field name ([a-z][a-z0-9_]{{0,63}}, MAN-20)")
+    if name in taken:
+        raise UsageError(f"stateful object {name!r} collides with another field of that name")
 
 
 def apply_stateful(name: str, obj: Any, snap: Snapshot) -> None:

@@ -33,7 +33,9 @@ class TrainingState:
 
     ``sampler`` or ``loader`` holds the data position (at most one; neither: the manager's ``loader=``).
     ``generators``: named numpy generators whose state is saved beside torch's and Python's RNG.
-    ``extra``: plain values saved as fields of their own. ``mesh``: the parallelism mesh, by dimension name.
+    ``extra``: plain values saved as fields of their own. ``stateful``: any other objects with ``state_dict()`` and
+    ``load_state_dict()`` (a DCP trainer's ``train_state``, say), each saved as a context field of its name and
+    restored with the rest, all or nothing. ``mesh``: the parallelism mesh, by dimension name.
     """
 
     model: torch.nn.Module
@@ -45,6 +47,7 @@ class TrainingState:
     scaler: Stateful | None = None
     generators: Mapping[str, np.random.Generator] | None = None
     extra: Mapping[str, object] | None = None
+    stateful: Mapping[str, Stateful] | None = None
     mesh: Mapping[str, int] | None = None
 
     @classmethod
@@ -92,7 +95,7 @@ class TrainingState:
     def restore_targets(self) -> dict[str, Any]:
         """The live objects a restore applies a checkpoint to, by the names :func:`api.restore` and :func:`api.load`
         take them (``extra`` and ``mesh`` are saved, not applied)."""
-        names = ("model", "optimizer", "sampler", "loader", "scheduler", "scaler", "config", "generators")
+        names = ("model", "optimizer", "sampler", "loader", "scheduler", "scaler", "stateful", "config", "generators")
         return {name: getattr(self, name) for name in names}
 
     def _fields(self) -> dict[str, Any]:
@@ -130,6 +133,7 @@ class Lineage:
             config=state.config,
             scheduler=state.scheduler,
             scaler=state.scaler,
+            stateful=state.stateful,
             generators=state.generators,
             extra=state.extra,
             mesh=state.mesh,
