@@ -214,3 +214,10 @@ def test_one_run_directory_named_through_a_link_or_dots_has_one_run_key(tmp_path
     names = [str(real), str(tmp_path / "link"), str(real / ".." / "job") + "/", "file://" + str(tmp_path / "link")]
     assert {normalize_run_url(n) for n in names} == {os.path.realpath(real)}
     assert len({run_dir_key(n) for n in names}) == 1
+
+
+def test_a_run_directory_with_a_nul_byte_names_no_directory_and_raises_nothing(tmp_path: Path) -> None:
+    # a hostile slot's binding may say so (found by tests/test_fuzz.py, cli_rescue): it is another run's, not a crash
+    hostile = str(tmp_path) + "\x00/run"
+    assert normalize_run_url(hostile) == hostile
+    assert normalize_run_url(hostile) != normalize_run_url(str(tmp_path))

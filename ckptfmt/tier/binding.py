@@ -46,6 +46,8 @@ def normalize_run_url(run_url: str) -> str:
     """spec/memory.md: a local run directory is named by its path as the OS resolves it (symbolic links and
     ``..`` resolved, MEM-3), so every process that names one directory computes one run-key and run_dir."""
     text = os.fspath(run_url).rstrip("/")
+    if "\x00" in text:  # no path holds a NUL byte: it names no directory, so it equals no resolved one
+        return text
     if "://" not in text:
         return os.path.realpath(text)
     return os.path.realpath(text.removeprefix("file://")) if text.startswith("file://") else text
