@@ -7,19 +7,19 @@
     ckpt = ckptfmt.open(url)
     ckpt.read_tensor("weights", "layer0.w")
 
-``import ckptfmt`` loads neither click, torch nor s3fs.
+``import ckptfmt`` loads neither click, torch nor s3fs, nor numpy or any module of the library beyond its errors:
+each public name is imported on first use, so ``ckpt --help`` and a short-lived tool start fast.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Collection, Mapping
-from typing import Any
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .blocks import DEFAULT_BLOCK_BYTES
-from .canonical import canonical_json, config_hash
-from .collective import Collective, ThreadCollective
 from .errors import (
     BaseCheckpointError,
     CheckpointError,
@@ -55,84 +55,81 @@ from .errors import (
     UnsupportedVersionError,
     UsageError,
 )
-from .incremental import RawDigests
-from .manifest import (
-    FORMAT_VERSION,
-    ChunkRecord,
-    FieldRecord,
-    FileRecord,
-    Manifest,
-    TensorRecord,
-)
-from .manifest_parse import parse_manifest
-from .profiles import PROFILES
-from .reader import Checkpoint, open_checkpoint, verify_url
-from .storage import open_store
-from .verify import Problem, VerifyReport
-from .writer import DEFAULT_TARGET_FILE_SIZE, CheckpointWriter
+
+# public name -> the module that defines it, imported on first access (PEP 562)
+_LAZY = {
+    "canonical_json": ".canonical",
+    "config_hash": ".canonical",
+    "Collective": ".collective",
+    "ThreadCollective": ".collective",
+    "open": ".entry",
+    "open_writer": ".entry",
+    "verify": ".entry",
+    "ChunkRecord": ".manifest",
+    "FORMAT_VERSION": ".manifest",
+    "FieldRecord": ".manifest",
+    "FileRecord": ".manifest",
+    "Manifest": ".manifest",
+    "TensorRecord": ".manifest",
+    "parse_manifest": ".manifest_parse",
+    "PROFILES": ".profiles",
+    "Checkpoint": ".reader",
+    "open_store": ".storage",
+    "Problem": ".verify",
+    "VerifyReport": ".verify",
+    "CheckpointWriter": ".writer",
+}
+
+if TYPE_CHECKING:
+    from .canonical import canonical_json, config_hash
+    from .collective import Collective, ThreadCollective
+    from .entry import open, open_writer, verify
+    from .manifest import FORMAT_VERSION, ChunkRecord, FieldRecord, FileRecord, Manifest, TensorRecord
+    from .manifest_parse import parse_manifest
+    from .profiles import PROFILES
+    from .reader import Checkpoint
+    from .storage import open_store
+    from .verify import Problem, VerifyReport
+    from .writer import CheckpointWriter
 
 
-def open_writer(
-    url: str | os.PathLike[str],
-    profile: str = "training",
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    target_file_size: int = DEFAULT_TARGET_FILE_SIZE,
-    digest: str = "xxh3-128",
-    rank: int = 0,
-    workers: int = 2,
-    metadata: Mapping[str, str] | None = None,
-    collective: Collective | None = None,
-    codec: str | None = None,
-    block_bytes: int | None = DEFAULT_BLOCK_BYTES,
-    base: Checkpoint | str | os.PathLike[str] | None = None,
-    frozen: Collection[str] = (),
-    base_content: RawDigests | None = None,
-) -> CheckpointWriter:
-    """Start writing a checkpoint at ``url`` (a path or any fsspec URL). Leaving the ``with`` block commits.
-
-    With ``collective``, every rank of the group calls this with the same ``url`` and writes its own
-    tensors or chunks; rank 0 holds the lock and commits one manifest for all (a collective call).
-    ``codec``: None or ``"raw"`` stores raw chunks; ``"zstd"`` or ``"zstd:LEVEL"`` compresses floating-point
-    chunks losslessly (spec/codecs.md; such a checkpoint is format 1.1). ``block_bytes``: raw chunks larger than
-    this also get a digest per block, so a partial read checks exactly the blocks it reads (spec/blocks.md,
-    format 1.2); None writes none.
-
-    ``base``: an earlier checkpoint beside ``url`` (the same run directory; a URL or an open checkpoint): a chunk
-    whose bytes equal the base's chunk of the same tensor, offsets and shape is recorded as a reference to it,
-    hashed but not written (spec/references.md). ``frozen``: names of tensors the caller declares unchanged
-    since the base (a LoRA base model), referenced without being hashed. ``base_content``: ``(checkpoint id,
-    writer.raw_digests)`` of the writer that wrote the base, so that its encoded chunks are compared too.
-    """
-    return CheckpointWriter(
-        open_store(url, storage_options),
-        profile=profile,
-        overwrite=overwrite,
-        target_file_size=target_file_size,
-        digest=digest,
-        rank=rank,
-        workers=workers,
-        metadata=metadata,
-        collective=collective,
-        codec=codec,
-        block_bytes=block_bytes,
-        base=base,
-        frozen=frozen,
-        base_content=base_content,
-    )
+# importable from the package before it was lazy, though not in __all__: kept so
+_COMPAT = {
+    "DEFAULT_BLOCK_BYTES": ".blocks",
+    "DEFAULT_TARGET_FILE_SIZE": ".writer",
+    "RawDigests": ".incremental",
+    "open_checkpoint": ".reader",
+    "verify_url": ".reader",
+}
 
 
-def open(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
-    """Open a committed checkpoint; refuses an incomplete, invalid or unknown-major one."""
-    return open_checkpoint(url, storage_options)
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name) or _COMPAT.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)  # ckptfmt.reader without importing it first, as before
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # once: later lookups do not come here
+    return value
 
 
-def verify(
-    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, quick: bool = False
-) -> VerifyReport:
-    """Verify the checkpoint at ``url``; a report listing every problem (an unopenable one included)."""
-    return verify_url(url, storage_options, quick=quick)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_COMPAT})
+
+
+class _Package(types.ModuleType):
+    """The package, whose public function ``verify`` shares its name with the submodule ``ckptfmt.verify``: loading
+    the submodule (on first use now, not while the package is imported) must not rebind the public name to it."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == ".entry":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [
