@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
             load: Callable[[], object]
             if key == "ckptfmt_restart":
                 load = functools.partial(
-                    ct.load, ours, model=fresh, optimizer=fresh_optimizer, config=config, sampler=sampler
+                    ct.load, ours, model=fresh, optimizer=fresh_optimizer, config=config, sampler=sampler, fresh=True
                 )
             else:
                 load = functools.partial(dcp_restore, fresh, fresh_optimizer, path)

@@ -77,6 +77,13 @@ class IncompleteCheckpointError(CheckpointError):
     code = "incomplete"
 
 
+class RestoreError(CheckpointError):
+    """A restore that can neither restore a checkpoint nor leave the live state as it was (a fresh restore that read
+    a refused checkpoint into it)."""
+
+    code = "restore_failed"
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint (or another live writer) already occupies the URL."""
 
@@ -321,6 +328,7 @@ __all__ = [
     "MissingFieldError",
     "MissingFileError",
     "ReferencedCheckpointError",
+    "RestoreError",
     "ResumeMismatchError",
     "SafetensorsHeaderError",
     "SizeMismatchError",

@@ -258,13 +258,15 @@ def resume_mismatches(
     return out
 
 
-def load_checkpoint(ckpt: Checkpoint, **kwargs: Any) -> Restored:
-    """Resume from an open checkpoint: read and verify every field, then compare and apply (see :func:`restore`)."""
+def load_checkpoint(ckpt: Checkpoint, *, fresh: bool = False, **kwargs: Any) -> Restored:
+    """Resume from an open checkpoint: read and verify every field, then compare and apply (see :func:`restore`).
+    ``fresh``: the model and optimizer hold nothing of value (see :func:`load`)."""
     # everything read and verified before anything is applied; for a model's DTensors, only this rank's region;
     # tensors with a home in host memory checked where they are stored, and copied in as the last step of applying
     model = kwargs.get("model")
     live = live_targets(model, kwargs.get("optimizer"), kwargs.get("skip_fields", ())) if model is not None else None
-    snap = read_state.read_snapshot(ckpt, read_state.load_targets(model) if model is not None else None, live)
+    targets = read_state.load_targets(model) if model is not None else None
+    snap = read_state.read_snapshot(ckpt, targets, live, fresh=fresh)
     return restore(snap, checkpoint_id=ckpt.id, url=ckpt.url, **kwargs)
 
 
@@ -343,6 +345,10 @@ def load(url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | No
     ``sampler=``, ``scheduler=``, ``scaler=``, ``config=``, ``generators=``, ``on_mismatch=``.
     A plain ``DataLoader`` with ``generator=None``, or whose sampler cannot report its position, is
     restored with an :class:`~ckptfmt.torch.InexactResumeWarning` saying why the resume will not be exact.
+
+    ``fresh=True``: the model and optimizer were just built and hold nothing of value (a restart), so tensors loaded
+    in place are read, hashed and placed in one pass. A refused checkpoint then raises as always, but leaves them
+    holding part of it (the default checks every byte before any live tensor changes: a second pass).
     """
     with open_checkpoint(url, storage_options) as ckpt:
         return load_checkpoint(ckpt, **kwargs)

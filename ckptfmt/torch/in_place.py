@@ -123,4 +123,12 @@ def copy_in(ckpt: Checkpoint, checked: Sequence[Checked]) -> None:
         raise
 
 
-__all__ = ["Checked", "copy_in", "live_tensors", "plan", "same_memory"]
+def fill_fresh(ckpt: Checkpoint, checked: Sequence[Checked]) -> None:
+    """Read every checked region straight into its tensor, each byte hashed once on the way (a restore into memory
+    that holds nothing of value: on a mismatch the tensors hold part of what was read, and the caller must not use
+    them; see ``RestoreOptions.fresh``)."""
+    if checked:
+        ckpt.read_regions([c.target for c in checked], into=[_bytes_of(c.local, c.target.shape) for c in checked])
+
+
+__all__ = ["Checked", "copy_in", "fill_fresh", "live_tensors", "plan", "same_memory"]

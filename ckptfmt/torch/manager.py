@@ -341,6 +341,7 @@ class CheckpointManager:
         config: object = None,
         generators: Mapping[str, np.random.Generator] | None = None,
         skip_fields: Sequence[str] = (),
+        fresh: bool = False,
     ) -> int | None:
         """Resume from the newest checkpoint that is complete, reads and verifies; returns its step, or None.
 
@@ -352,12 +353,19 @@ class CheckpointManager:
         ``skip_fields`` (``rng``, ``data``, ``optimizer``) are read and verified but not applied, e.g. to
         fine-tune with a fresh optimizer, or as a negative control showing that a resume needs them.
         :attr:`last_restore` reports what was taken, from where, and what was passed over.
+
+        ``fresh=True`` says the live tensors hold nothing of value (a restore at start-up, into a model just built):
+        tensors loaded in place are then read, hashed and placed in one pass instead of checked first and copied in
+        after. All or nothing still holds at the checkpoint level, but differently: a checkpoint refused after it was
+        partly placed is passed over and the next one overwrites it, and if none is left a ``RestoreError`` is raised
+        (never None: the model no longer holds its fresh initialization). The default, for a live state (a reload
+        mid-run), changes no live tensor unless all of the checkpoint is good.
         """
         self.wait()
         live = TrainingState.of(
             state, model, optimizer, config, sampler, loader, scheduler, scaler, generators, None, None
         )
-        report = self._restorer.restore(live, skip_fields=skip_fields)
+        report = self._restorer.restore(live, skip_fields=skip_fields, fresh=fresh)
         if report is None:
             return None
         self.last_restore = report

@@ -57,7 +57,11 @@ def _overlaps(offsets: Any, shape: Any, lo: Any, size: Any) -> bool:
 
 
 def read_snapshot(
-    ckpt: Checkpoint, targets: Mapping[str, Any] | None = None, live: Mapping[tuple[str, str], Any] | None = None
+    ckpt: Checkpoint,
+    targets: Mapping[str, Any] | None = None,
+    live: Mapping[tuple[str, str], Any] | None = None,
+    *,
+    fresh: bool = False,
 ) -> Snapshot:
     """Every field, every byte read and digest-checked, before anything is applied anywhere.
 
@@ -66,7 +70,9 @@ def read_snapshot(
     holds is read, from the chunks that overlap it, whatever the saving topology.
 
     ``live`` (:func:`in_place.live_tensors`) are tensors the load may fill in place: those that qualify are
-    checked now and become :class:`Checked` entries, filled by ``snap.copy_in()`` while ``ckpt`` is open.
+    checked now and become :class:`Checked` entries, filled by ``snap.copy_in()`` while ``ckpt`` is open (two passes:
+    a refusal leaves them untouched). ``fresh``: they hold nothing of value, so they are filled now, each byte read
+    and hashed once; if a check fails they hold part of what was read (the caller must not use them).
     """
     snap = Snapshot()
     targets = targets or {}
@@ -100,7 +106,11 @@ def read_snapshot(
         # checked first: its streams run across the small tensors between the large ones, which the read then
         # finds in the page cache instead of seeking for each
         check = [c.target for c in checked.values()]
-        ckpt.check_regions(check)
+        if fresh:
+            in_place.fill_fresh(ckpt, list(checked.values()))
+            check = []  # filled already: nothing to forget, nothing to copy in
+        else:
+            ckpt.check_regions(check)
         try:
             arrays = ckpt.read_regions(regions)
             snap.contexts.update(contexts.result())
@@ -111,6 +121,9 @@ def read_snapshot(
         snap.tensors[region.field][region.tensor] = array if like is None else TargetShard(array, like)
     if checked:
         aliased = _untied_aliases(ckpt, snap, checked, records, live or {})  # may take some out of checked
+        if fresh:
+            in_place.fill_fresh(ckpt, aliased)  # an untied alias's own tensor: the stored bytes once more
+            return snap
         fills = list(checked.values()) + aliased
         snap.copy_in = functools.partial(in_place.copy_in, ckpt, fills)
         snap.forget = functools.partial(ckpt.forget_regions, [c.target for c in fills])

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..collective import Collective
 from ..decide import decide
-from ..errors import CheckpointError, MalformedMessageError
+from ..errors import CheckpointError, MalformedMessageError, RestoreError
 from ..jsonio import load_json
 from ..manifest_parse import parse_manifest
 from ..reader import Checkpoint, open_checkpoint
@@ -62,6 +62,7 @@ class _Read:
     ckpt: Checkpoint | None = None
     held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     referencing: bool = False  # it references a base (its depth is in its metadata)
+    filled: bool = False  # read into the live tensors in one pass (a fresh restore): they may hold part of it
     seconds: float = 0.0
 
 
@@ -89,15 +90,25 @@ class Restorer:
         self._agree_seconds = 0.0
 
     def restore(
-        self, state: TrainingState, *, skip_fields: Sequence[str] = (), at_most: int | None = None
+        self,
+        state: TrainingState,
+        *,
+        skip_fields: Sequence[str] = (),
+        at_most: int | None = None,
+        fresh: bool = False,
     ) -> RestoreReport | None:
         """Resume from the newest checkpoint every rank can use; its report, or None when there is none.
-        ``at_most``: only a checkpoint of that step or an older one (a rollback several steps back)."""
+        ``at_most``: only a checkpoint of that step or an older one (a rollback several steps back). ``fresh``: the
+        live tensors hold nothing of value (a restore at start-up), so a candidate is read into them in one pass; a
+        candidate refused after that leaves them part-written, so the next one overwrites them, and if none is
+        left a :class:`RestoreError` is raised on every rank instead of None (the live state is no longer the
+        fresh one a caller would train from)."""
         started = time.perf_counter()
         state = state.with_loader(self.lineage.loader)
         if self.memory is not None and state.optimizer is not None:
             self.memory.check_capacity(estimated_state_bytes(state.model, state.optimizer))
         skipped: list[str] = []
+        overwritten = False  # a candidate was read into the live tensors in one pass (fresh) and then refused
         for candidate in self.candidates():
             if at_most is not None and (candidate.step is None or candidate.step > at_most):
                 continue  # newer than the rollback asks for: not a candidate, not a failure
@@ -113,12 +124,13 @@ class Restorer:
                     log.warning("skipping %s: its files could not be gathered: %s", candidate.label, exc)
                     skipped.append(f"{candidate.label}: {type(exc).__name__}: {exc}")
                     continue
-            read = self._read(candidate, fetched, state, skip_fields, skipped)
+            read = self._read(candidate, fetched, state, skip_fields, skipped, fresh=fresh)
             missing = self._missing(read.snap, state, skip_fields, candidate.label, read)
             agreed = self._agree(read.snap is not None and not missing)
             if fetched is not None and self._agreed is not None:
                 self._agreed.clean_up()  # every rank has read what was fetched (or passed over it)
             if not agreed:
+                overwritten = overwritten or read.filled
                 if read.snap is not None:
                     read.snap.discard()  # checked here, refused elsewhere: not copied in, so not kept in the page cache
                 read.held.close()
@@ -127,6 +139,13 @@ class Restorer:
                     skipped.append(f"{candidate.label}: another rank cannot use it")
                 continue
             return self._apply(candidate, fetched, read, state, skip_fields, skipped, started)
+        if fresh and not self._agree(not overwritten):  # every rank raises, or none does
+            raise RestoreError(
+                "no checkpoint could be restored, and a refused one was read into the live tensors in one pass "
+                "(fresh=True): they hold part of it, so this process must not train from them; passed over: "
+                + "; ".join(skipped),
+                path=self.run.url,
+            )
         return None
 
     # ---------------------------------------------------------------- the steps of one candidate
@@ -144,8 +163,11 @@ class Restorer:
         state: TrainingState,
         skip_fields: Sequence[str],
         skipped: list[str],
+        *,
+        fresh: bool = False,
     ) -> _Read:
-        """Open, verify and read ``candidate`` whole, touching nothing live; whatever fails, it is "not this one".
+        """Open, verify and read ``candidate`` whole, touching nothing live (``fresh``: reading tensors loaded in
+        place into them, once); whatever fails, it is "not this one".
 
         The checkpoint stays open until its snapshot is applied: tensors loaded in place are copied in from it then
         (in_place.py). Not for files fetched from other nodes: this node's leader deletes them after the vote."""
@@ -162,7 +184,8 @@ class Restorer:
             if report is not None and not report.ok:
                 log.warning("skipping %s: %s", candidate.label, "; ".join(map(str, report.problems[:3])))
             else:
-                read.snap = read_state.read_snapshot(ckpt, read_state.load_targets(state.model), live)
+                read.filled = fresh and bool(live)  # from here on, the live tensors may hold part of this one
+                read.snap = read_state.read_snapshot(ckpt, read_state.load_targets(state.model), live, fresh=fresh)
                 read.ckpt = ckpt
                 read.referencing = bool(ckpt.manifest.bases)  # a self-contained checkpoint is a full save
         except Exception as exc:  # reading touches nothing live: whatever fails, it is "not this one"
