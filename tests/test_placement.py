@@ -132,3 +132,26 @@ def test_the_placement_record_round_trips_and_names_a_bad_member() -> None:
         with pytest.raises(ManifestError, match=member) as info:
             PlacementRecord.from_dict(bad)
         assert info.value.path == PLACEMENT_NAME
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_nested_domains_alike_receive_one_to_one(k: int) -> None:
+    """4 regions of 5 racks of 3 nodes: each node holds the copies of exactly k nodes, and a region's racks send to
+    as many racks of the next region (the next region's first rack alone took them all, before)."""
+    domains = {f"n{r}{a}{i}": f"region-{r}/rack-{a}" for r in range(4) for a in range(5) for i in range(3)}
+    placed = place_nodes(domains, k)
+    received: dict[str, int] = dict.fromkeys(domains, 0)
+    for targets in placed.values():
+        for t in targets:
+            received[t] += 1
+    assert set(received.values()) == {k}
+    assert placed["n130"][0] == "n230"  # region-1/rack-3 -> region-2/rack-3, node by node
+    first = {domains[placed[n][0]] for n in domains if domains[n].startswith("region-1/")}
+    assert first == {f"region-2/rack-{a}" for a in range(5)}
+
+
+def test_a_group_of_fewer_racks_takes_the_writer_s_place_modulo_its_size() -> None:
+    domains = {"a0": "east/r0", "a1": "east/r1", "a2": "east/r2", "b0": "west/r0", "b1": "west/r1"}
+    placed = place_nodes(domains, 1)
+    assert [placed[n] for n in ("a0", "a1", "a2")] == [("b0",), ("b1",), ("b0",)]
+    assert [placed[n] for n in ("b0", "b1")] == [("a0",), ("a1",)]

@@ -68,6 +68,10 @@ def test_what_a_node_receives_is_what_the_others_send_it(sim: ModuleType, k: int
     assert not set(got.out_of) & lost
     assert sum(got.into.values()) == sum(got.out_of.values()) == got.moved == got.lost_bytes
     assert got.max_into_node == max(got.into.values()) and got.max_out_of_node == max(got.out_of.values())
+    # with copies placed one to one, no holder sends more than one lost node takes in (a region's racks all sent
+    # to one rack of the next region, before: a region loss had it send 2 racks' worth)
+    assert got.max_out_of_node <= got.max_into_node
+    assert max(len(held) for held in job.held_ranks.values()) == (k + 1) * RANKS
 
 
 def test_rank0_inbound_with_summaries_does_not_grow_with_files_per_rank(sim: ModuleType) -> None:

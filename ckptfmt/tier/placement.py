@@ -8,8 +8,12 @@ one is a domain of its own.
 
 The rule, for each writing node, picks its copies' domains one at a time, among the domains other than its own:
 first one that shares the least of its label with the writer's (another region before another rack of the same
-region), then the least with the domains already picked, then the next after the writer's in sorted order (so
-receivers are spread, and a job without labels sends to the next node by key, as a ring). Within a chosen domain
+region), then the least with the domains already picked, then the one at the writer's place in the next group:
+where the labels part, the next group after the writer's (in sorted order, as a ring), and below that, each level's
+member as far after its first as the writer's is after its own first (``region-1/rack-3`` sends to ``region-2/rack-3``,
+modulo region 2's racks). So receivers are spread one to one where the groups are alike (the next group's first
+rack alone, as the rule had it before, took the copies of a whole region), and a job without labels sends to the
+next node by key, as a ring. Within a chosen domain
 the writer's i-th node (by key, within its domain) sends to that domain's i-th node (modulo its size), and a
 node's j-th rank to the receiving node's j-th rank (modulo its size). Where fewer other domains exist than copies
 asked for, the rest go to other nodes of domains already used (never the writer's node); there are fewer copies
@@ -58,8 +62,13 @@ def place_nodes(domains: Mapping[str, str], replicas: int) -> dict[str, tuple[st
     order = sorted(members)
     path = {d: domain_path(d) if not d.startswith("\0") else ("\0", d) for d in order}
     labelled = any(not d.startswith("\0") for d in order)
+    below: dict[tuple[str, ...], set[str]] = {}  # a label's prefix -> the next level's names under it
+    for p in path.values():
+        for j in range(len(p)):
+            below.setdefault(p[:j], set()).add(p[j])
+    place = {prefix: {name: i for i, name in enumerate(sorted(names))} for prefix, names in below.items()}
     # by domain, not by node: O(domains^2)
-    picks = {own: _domains_for(at, order, path, replicas, labelled) for at, own in enumerate(order)}
+    picks = {own: _domains_for(at, order, path, place, replicas, labelled) for at, own in enumerate(order)}
     out: dict[str, tuple[str, ...]] = {}
     for node in sorted(label):
         own = label[node]
@@ -74,20 +83,39 @@ def place_nodes(domains: Mapping[str, str], replicas: int) -> dict[str, tuple[st
 
 
 def _domains_for(
-    at: int, order: list[str], path: Mapping[str, tuple[str, ...]], replicas: int, labelled: bool
+    at: int,
+    order: list[str],
+    path: Mapping[str, tuple[str, ...]],
+    place: Mapping[tuple[str, ...], Mapping[str, int]],
+    replicas: int,
+    labelled: bool,
 ) -> list[str]:
-    """The domains a node of ``order[at]`` sends its copies to, first choice first (the module docstring's rule)."""
+    """The domains a node of ``order[at]`` sends its copies to, first choice first (the module docstring's rule).
+    ``place``: a label's prefix -> each name of the next level under it -> its place among them, sorted."""
     own = order[at]
     if not labelled:  # no node has a label: every other domain ranks alike, the rotation decides (O(k), not O(n))
         return [order[(at + i) % len(order)] for i in range(1, min(replicas + 1, len(order)))]
+    mine = path[own]
+
+    def offset(d: str) -> tuple[int, ...]:
+        """How far ``d`` is from the writer's place, level by level from where their labels part."""
+        theirs, out = path[d], []
+        for j in range(min(shared(theirs, mine), len(theirs)), len(theirs)):
+            names = place[theirs[:j]]
+            # the writer's place at this level: within its own group (j > where they part) or this one
+            at_j = place.get(mine[:j], {}).get(mine[j], 0) if j < len(mine) else 0
+            out.append((names[theirs[j]] - at_j) % len(names))
+        return tuple(out)
+
     rest = {order[(at + i) % len(order)]: i for i in range(1, len(order))}  # rotation: the next domain first
     picked: list[str] = []
     while rest and len(picked) < replicas:
         best = min(
             rest,
             key=lambda d: (
-                shared(path[d], path[own]),
+                shared(path[d], mine),
                 max((shared(path[d], path[p]) for p in picked), default=0),
+                offset(d),
                 rest[d],
             ),
         )
