@@ -13,7 +13,8 @@ region's last rack may be short); each rank writes ``--files`` files a snapshot 
   (:func:`ckptfmt.tier.summary.summarize`, from :class:`~ckptfmt.tier.holdings.Holding` records as its leader lists
   them), rank 0's choice (:func:`~ckptfmt.tier.summary.choose`), the map of who holds what
   (:func:`~ckptfmt.tier.summary.holders_of`) and a node's own fetch plan (:func:`~ckptfmt.tier.summary.plan_fetches`).
-  The nodes summarize and plan side by side, so those two count the slowest node;
+  The nodes summarize and plan side by side, so those two count the slowest node (the five slowest of one run
+  each, run five times again: the most of their least); rank 0's two, the least of three runs;
 - **rank-0 inbound**: the bytes of every node's summaries (JSON, as the gather carries them) and the largest one,
   against every node's file lists (:meth:`Holding.to_dict`), what today's restore gathers;
 - **bytes per link** of the restore after one node, one rack and one region is lost (their nodes back empty): the
@@ -156,19 +157,21 @@ class Restore:
         return {k: v for k, v in asdict(self).items() if k not in ("into", "out_of", "where")}
 
 
+def least(run: Callable[[], object], times: int = 3) -> float:
+    """The least seconds of ``times`` runs (rank 0's steps: one timing on a shared machine catches its noise)."""
+    out = []
+    for _ in range(times):
+        started = time.perf_counter()
+        run()
+        out.append(time.perf_counter() - started)
+    return min(out)
+
+
 def slowest(took: dict[str, float], prepare: Callable[[str], Callable[[], object]], few: int = 5) -> float:
     """The slowest node's seconds, as the nodes run side by side: the ``few`` slowest of one timing each (``took``)
     timed ``few`` times again, the most of their least (one timing of a node on a shared machine catches its noise)."""
     worst = sorted(took, key=took.__getitem__)[-few:]
-    again = []
-    for node in worst:
-        run, times = prepare(node), []  # its inputs made outside the timing
-        for _ in range(few):
-            started = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - started)
-        again.append(min(times))
-    return max(again, default=0.0)
+    return max((least(prepare(node), few) for node in worst), default=0.0)  # inputs made outside the timing
 
 
 def restore(job: Job, lost: set[str]) -> Restore:
@@ -193,14 +196,12 @@ def restore(job: Job, lost: set[str]) -> Restore:
         return lambda: summarize(held, groups_of, writers_of)
 
     summary_s = slowest(took, summarize_on)
-    started = time.perf_counter()
     chosen = choose(summaries)
-    choose_s = time.perf_counter() - started
+    choose_s = least(lambda: choose(summaries))
     if not chosen or chosen[0][1] != IDS[-1]:  # both snapshots lose the same ranks: the newest or none
         return Restore(False, summary_s, choose_s, 0.0, 0.0, inbound, largest)
-    started = time.perf_counter()
     where = holders_of(summaries, chosen[0][1])
-    map_s = time.perf_counter() - started
+    map_s = least(lambda: holders_of(summaries, chosen[0][1]))
     links: Counter[tuple[str, str]] = Counter()
     took = {}
     for node in job.names:
@@ -322,8 +323,8 @@ def table(rows: Sequence[dict[str, object]]) -> str:
     for r in rows:
         out.append(
             f"| {int(_num(r, 'nodes')):,} x {int(_num(r, 'ranks') // _num(r, 'nodes'))} | {r['k']} "
-            f"| {_num(r, 'placement_s'):.3f} | {_num(r, 'plan_s'):.3f} ({_num(r, 'summary_s') * 1e3:.2f} + "
-            f"{_num(r, 'choose_s') * 1e3:.1f} + {_num(r, 'map_s') * 1e3:.1f} + {_num(r, 'fetch_s') * 1e3:.2f}) "
+            f"| {_num(r, 'placement_s'):.3f} | {_num(r, 'plan_s'):.3f} ({_num(r, 'summary_s') * 1e3:.3f} + "
+            f"{_num(r, 'choose_s') * 1e3:.1f} + {_num(r, 'map_s') * 1e3:.1f} + {_num(r, 'fetch_s') * 1e3:.3f}) "
             f"| {_num(r, 'inbound') / 1e6:.2f} ({_num(r, 'file_lists_inbound') / 1e6:.1f}) "
             f"| {_num(r, 'largest_message') / 1e3:.2f} ({_num(r, 'file_lists_largest') / 1e3:.1f}) "
             f"| {_loss(r, 'node')} | {_loss(r, 'rack')} | {_loss(r, 'region')} | {r['most_copies_on_a_node']} "
