@@ -163,8 +163,7 @@ def least(run: Callable[[], object], times: int = 3) -> float:
     """The least seconds of ``times`` runs (one timing on a shared machine catches its noise), the objects alive
     before frozen out of the collector: a run pays for its own garbage, not for the collector walking the whole
     simulated job, which no rank holds (that walk made the map of 10,000 nodes 2-3x slower)."""
-    gc.collect()
-    gc.freeze()
+    gc.freeze()  # no collect first: on a large heap (pytest's) it costs more than the runs
     out = []
     try:
         for _ in range(times):
