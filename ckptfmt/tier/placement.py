@@ -79,8 +79,9 @@ class Domains:
     The rule ranks every other domain by (levels shared with the writer's label, the most shared with one already
     picked, its offset from the writer's place, its place after the writer's in sorted order); :meth:`picks` finds
     the least without ranking them all: a walk down the tree in offset order, skipping each group none of whose
-    domains can share less with those picked than the best found. O(depth x k^2) a pick, not O(domains): the
-    placement of 10,000 nodes in 316 racks took 0.35-0.65 s scanning every domain for every domain."""
+    domains can share less with those picked than the best found: about O(depth x k^2) a pick where ranking them all
+    is O(domains), which made the placement grow with the square of the nodes (docs/benchmarks.md, "Restore
+    planning at scale")."""
 
     def __init__(self, order: Sequence[str]) -> None:
         self.order = list(order)
