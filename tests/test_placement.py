@@ -12,7 +12,7 @@ from rank_threads import run_ranks
 
 from ckptfmt.errors import MalformedMessageError, ManifestError, UsageError
 from ckptfmt.tier.nodes import NodeMap
-from ckptfmt.tier.placement import domain_path, place_nodes, place_ranks, shared, sources
+from ckptfmt.tier.placement import Domains, domain_path, place_nodes, place_ranks, shared, sources
 from ckptfmt.tier.placement_record import PLACEMENT_NAME, PlacementRecord
 from ckptfmt.torch.options import MemoryOptions
 
@@ -132,3 +132,86 @@ def test_the_placement_record_round_trips_and_names_a_bad_member() -> None:
         with pytest.raises(ManifestError, match=member) as info:
             PlacementRecord.from_dict(bad)
         assert info.value.path == PLACEMENT_NAME
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_nested_domains_alike_receive_one_to_one(k: int) -> None:
+    """4 regions of 5 racks of 3 nodes: each node holds the copies of exactly k nodes, and a region's racks send to
+    as many racks of the next region (the next region's first rack alone took them all, before)."""
+    domains = {f"n{r}{a}{i}": f"region-{r}/rack-{a}" for r in range(4) for a in range(5) for i in range(3)}
+    placed = place_nodes(domains, k)
+    received: dict[str, int] = dict.fromkeys(domains, 0)
+    for targets in placed.values():
+        for t in targets:
+            received[t] += 1
+    assert set(received.values()) == {k}
+    assert placed["n130"][0] == "n230"  # region-1/rack-3 -> region-2/rack-3, node by node
+    first = {domains[placed[n][0]] for n in domains if domains[n].startswith("region-1/")}
+    assert first == {f"region-2/rack-{a}" for a in range(5)}
+
+
+def test_a_group_of_fewer_racks_takes_the_writer_s_place_modulo_its_size() -> None:
+    domains = {"a0": "east/r0", "a1": "east/r1", "a2": "east/r2", "b0": "west/r0", "b1": "west/r1"}
+    placed = place_nodes(domains, 1)
+    assert [placed[n] for n in ("a0", "a1", "a2")] == [("b0",), ("b1",), ("b0",)]
+    assert [placed[n] for n in ("b0", "b1")] == [("a0",), ("a1",)]
+
+
+def _picks_by_scan(tree: Domains, at: int, replicas: int) -> list[str]:
+    """The rule as the module docstring states it: every other domain ranked by (levels shared with the writer's,
+    the most shared with one picked, offset from the writer's place, rotation), the least taken, k times."""
+    order, path, place = tree.order, tree.path, tree.place
+    own = order[at]
+    if not tree.labelled:
+        return [order[(at + i) % len(order)] for i in range(1, min(replicas + 1, len(order)))]
+    mine = path[own]
+
+    def offset(d: str) -> tuple[int, ...]:
+        theirs, out = path[d], []
+        for j in range(min(shared(theirs, mine), len(theirs)), len(theirs)):
+            names = place[theirs[:j]]
+            at_j = place.get(mine[:j], {}).get(mine[j], 0) if j < len(mine) else 0
+            out.append((names[theirs[j]] - at_j) % len(names))
+        return tuple(out)
+
+    rest = {order[(at + i) % len(order)]: i for i in range(1, len(order))}
+    picked: list[str] = []
+    while rest and len(picked) < replicas:
+        best = min(
+            rest,
+            key=lambda d: (
+                shared(path[d], mine),
+                max((shared(path[d], path[p]) for p in picked), default=0),
+                offset(d),
+                rest[d],
+            ),
+        )
+        del rest[best]
+        picked.append(best)
+    return picked
+
+
+LABEL_PARTS = st.lists(st.sampled_from(["a", "b", "c", "d", ""]), min_size=1, max_size=4)
+
+
+@given(
+    st.lists(st.one_of(st.just(""), LABEL_PARTS.map("/".join)), min_size=2, max_size=40),
+    st.integers(1, 8),
+)
+@settings(max_examples=400, deadline=None)
+def test_the_walk_down_the_tree_picks_what_ranking_every_domain_picks(labels: list[str], k: int) -> None:
+    """Labels of any depth, a label a prefix of another, labels equal but for empty levels (``a//b``, ``a/b``),
+    unlabelled nodes among labelled ones."""
+    domains = {f"node-{i:02d}": label for i, label in enumerate(labels)}
+    names = sorted({(label if domain_path(label) else "\0node:" + node) for node, label in domains.items()})
+    tree = Domains(names)
+    for at in range(len(names)):
+        assert tree.picks(at, k) == _picks_by_scan(tree, at, k), (names[at], k)
+
+
+def test_the_walk_on_regions_of_racks() -> None:
+    names = [f"region-{r}/rack-{a:02d}" for r in range(4) for a in range(9 + r)] + ["region-9", "solo/x/y"]
+    tree = Domains(sorted(names))
+    for k in (1, 2, 3, 8):
+        for at in range(len(tree.order)):
+            assert tree.picks(at, k) == _picks_by_scan(tree, at, k)

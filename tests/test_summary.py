@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ckptfmt.errors import MalformedMessageError
 from ckptfmt.tier import run_identity
-from ckptfmt.tier.holdings import Holding, complete, node_holdings
+from ckptfmt.tier.holdings import Holding, complete, node_holdings, rank_of_file
 from ckptfmt.tier.summary import (
     OTHER,
     Completeness,
@@ -129,3 +129,42 @@ def test_real_holdings_after_a_node_loss_summarize_to_the_same_choice(tmp_path: 
     assert choose({"A": summarize(held, of)}) == complete(held, manifests) != []
     slots = [h for h in held if h.kind == "slot"]
     assert choose({"A": summarize(slots, of)}) == complete(slots, manifests) == []
+
+
+def _whole_by_scanning(held: list[Holding], groups: dict[int, dict[str, int]]) -> set[int]:
+    """summarize's rule as first written: every named rank checked against every holding (O(holdings x ranks))."""
+    named = {rank_of_file(p) for h in held for p in h.files}
+    candidates = {c for c in (OTHER if r is None else r for r in named) if c in groups}
+    return {r for r in candidates if any(all(h.files.get(p) == s for p, s in groups[r].items()) for h in held)}
+
+
+@st.composite
+def one_node(draw: st.DrawFn) -> tuple[list[Holding], dict[int, dict[str, int]]]:
+    """One checkpoint's holdings on one node, against groups that may break the naming rule (a rank's group listing
+    another rank's file, an empty group) and holdings that may be torn, resized or hold extra files."""
+    paths = [f"weights/r{r:05d}-0000{i}.safetensors" for r in range(4) for i in range(2)]
+    paths += ["context.msgpack", "context.r00002.msgpack", "extra/blob.bin"]
+    of: dict[int, dict[str, int]] = {
+        rank: {p: draw(st.integers(1, 3)) for p in draw(st.lists(st.sampled_from(paths), max_size=3, unique=True))}
+        for rank in draw(st.sets(st.sampled_from([OTHER, 0, 1, 2, 3])))
+    }
+    held = []
+    for i in range(draw(st.integers(0, 5))):
+        chosen = draw(st.lists(st.sampled_from(paths), max_size=6, unique=True))
+        files = {p: draw(st.integers(1, 3)) for p in chosen}
+        held.append(Holding(node="n", path=f"/n/{i}", kind="peer", checkpoint_id=IDS[0], step=1, files=files))
+    return held, of
+
+
+@given(one_node())
+@settings(max_examples=500, deadline=None)
+def test_summarize_holds_whole_the_ranks_a_scan_of_every_holding_finds(
+    node: tuple[list[Holding], dict[int, dict[str, int]]],
+) -> None:
+    held, groups = node
+    got = summarize(held, {IDS[0]: groups})
+    if not held:
+        assert got == []
+        return
+    (summary,) = got
+    assert summary.held == to_ranges(_whole_by_scanning(held, groups))

@@ -132,11 +132,13 @@ def summarize(
             continue
         named = {rank_of_file(p) for h in held for p in h.files}  # only the ranks it has files of: O(its files)
         candidates = {c for c in (OTHER if r is None else r for r in named) if c in groups}
-        whole = [
-            rank
-            for rank in candidates
-            if any(all(h.files.get(p) == size for p, size in groups[rank].items()) for h in held)
-        ]
+        # a holding holds a rank whole only if it has the rank's first file: look only at those (not at every
+        # holding for every rank, O(holdings x ranks) on a node many copies are sent to)
+        having: dict[str, list[Holding]] = {}
+        for h in held:
+            for p in h.files:
+                having.setdefault(p, []).append(h)
+        whole = [rank for rank in candidates if _held_whole(groups[rank], held, having)]
         out.append(
             Completeness(
                 checkpoint_id=ckpt_id,
@@ -146,6 +148,14 @@ def summarize(
             )
         )
     return sorted(out, key=lambda c: (c.step, c.checkpoint_id), reverse=True)
+
+
+def _held_whole(group: Mapping[str, int], held: Sequence[Holding], having: Mapping[str, Sequence[Holding]]) -> bool:
+    """Whether one of ``held`` has every file of ``group`` at its size (``having``: path -> the holdings with it)."""
+    first = next(iter(group), None)
+    if first is None:  # no files: any holding holds them all
+        return bool(held)
+    return any(all(h.files.get(p) == size for p, size in group.items()) for h in having.get(first, ()))
 
 
 def choose(summaries: Mapping[str, Sequence[Completeness]]) -> list[tuple[int, str]]:
