@@ -770,10 +770,10 @@ def test_manager_on_two_ranks_saves_together_and_restores_the_same_checkpoint(
 
     real = read_state.read_snapshot
 
-    def read_snapshot(ckpt: Any, *args: Any) -> Any:
+    def read_snapshot(ckpt: Any, *args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name.endswith("_1") and ckpt.url.rstrip("/").endswith(checkpoint_name(6)):
             raise OSError("rank 1 lost its connection to the store")
-        return real(ckpt, *args)
+        return real(ckpt, *args, **kwargs)
 
     monkeypatch.setattr(read_state, "read_snapshot", read_snapshot)
 
