@@ -28,7 +28,7 @@ from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.storage.slot import SlotStore
 from ckptfmt.tier.agreed import AgreedRestore, Fetch, MemoryOption
 from ckptfmt.tier.binding import SlotBinding, normalize_run_url, run_identity
-from ckptfmt.tier.holdings import Holding, Transfer, node_holdings, rank_of_file
+from ckptfmt.tier.holdings import Holding, node_holdings, rank_of_file
 from ckptfmt.tier.nodes import NodeMap
 from ckptfmt.tier.ring import MemoryTier
 from ckptfmt.writer import CheckpointWriter
@@ -190,15 +190,6 @@ def test_a_malformed_holding_is_refused_naming_the_member_and_the_rank(
     assert named in str(caught.value)
     with pytest.raises(MalformedMessageError):
         Holding.from_dict("slot-0", rank=3)
-
-
-@pytest.mark.parametrize("member", ["path", "size", "src", "source_dir", "dst"])
-def test_a_malformed_transfer_is_refused_naming_the_member(member: str) -> None:
-    doc: dict[str, object] = {"path": "weights/a", "size": 3, "src": 1, "source_dir": "/m/slot-0", "dst": 0}
-    assert Transfer.from_dict(doc, rank=0).to_dict() == doc
-    doc[member] = [] if member in ("path", "source_dir") else "7"
-    with pytest.raises(MalformedMessageError, match=f"rank 0: member '{member}'"):
-        Transfer.from_dict(doc, rank=0)
 
 
 def test_the_rank_of_a_file_is_read_from_the_writer_s_names() -> None:
