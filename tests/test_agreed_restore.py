@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -312,10 +313,32 @@ def test_a_claimed_step_that_its_manifest_does_not_bind_is_refused(
     restores = agreed_restores(tiers, ("A", "B"), {1: lie})
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
         out = run_threads(2, lambda rank: [(o.step, o.checkpoint_id) for o in restores[rank].options()], JOIN_TIMEOUT)
-    assert out == [[(20, id20)]] * 2  # never step 30; step 10 is passed over: its nodes disagree on it
+    assert out == [[(20, id20)]] * 2  # never step 30; step 10 is incomplete without B's summary of it
     assert any(
-        "rank 1 (node 'B') claim step 30" in r.getMessage() and "rank 0 (node 'A') claim step 10" in r.getMessage()
+        "rank 1 (node 'B') claims step 30" in r.getMessage() and "says step 10" in r.getMessage()
         for r in caplog.records
+    )
+
+
+def test_holders_disagreeing_on_a_checkpoint_the_coordinator_cannot_check_pass_over_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A (the coordinator's node) holds nothing; B and C both hold step 5, and C's leader claims step 30: with no
+    manifest at hand to tell which is right, the coordinator passes over it on every rank."""
+    tiers = tiers_of(tmp_path, ("A", "B", "C"))
+    snapshot({"B": tiers["B"]}, ("B", "B"), step=5)
+    shutil.copytree(tiers["B"].slot_path(0), tiers["C"].root / "peer-00000-0")  # C keeps a replica of it
+
+    def lie(report: Any) -> object:
+        report["summaries"][0]["step"] = 30
+        return report
+
+    restores = agreed_restores(tiers, ("A", "B", "C"), {2: lie})
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        out = run_threads(3, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
+    assert out == [[], [], []]
+    assert any(
+        "disagree" in r.getMessage() and "rank 2 (node 'C') claim step 30" in r.getMessage() for r in caplog.records
     )
 
 

@@ -213,7 +213,7 @@ class AgreedRestore:
 
     def _choose(self, values: Sequence[object]) -> object:
         """The coordinator's choice, from each node's summaries, and whom to ask for the manifests it lacks."""
-        summaries = self._parse_summaries(values)
+        summaries = self._bear_out(self._parse_summaries(values))
         claims: dict[str, dict[tuple[int, Ranges], list[str]]] = {}
         for node, cs in summaries.items():
             for c in cs:
@@ -240,6 +240,35 @@ class AgreedRestore:
             "held": {cid: _held_doc(summaries, cid) for _, cid in found},
             "ask": ask,
         }
+
+    def _bear_out(self, summaries: Mapping[str, Sequence[Completeness]]) -> dict[str, list[Completeness]]:
+        """The summaries, less those of a checkpoint whose manifest the coordinator's node holds that claim another
+        step than its binding's or other writer ranks than it lists (a claim it cannot check now waits for the
+        manifest: :meth:`_with_manifests`)."""
+        truth: dict[str, tuple[int, Ranges]] = {}
+        for cid, data in self._manifests.items():
+            try:
+                step = SlotBinding.from_metadata(parse_manifest(data).metadata).step
+            except CheckpointError:
+                continue
+            truth[cid] = (step, to_ranges(rank_groups(data)))
+        out: dict[str, list[Completeness]] = {}
+        for node, cs in summaries.items():
+            out[node] = []
+            for c in cs:
+                known = truth.get(c.checkpoint_id)
+                if known is not None and known != (c.step, c.writers):
+                    log.warning(
+                        "%s claims step %d for %s, its manifest's binding says step %d (or lists other writer ranks): "
+                        "its summary of it is refused",
+                        self._ranks_of([node]),
+                        c.step,
+                        c.checkpoint_id,
+                        known[0],
+                    )
+                    continue
+                out[node].append(c)
+        return out
 
     def _order(self, node: str) -> int:
         return self.nodes.names.index(node)
