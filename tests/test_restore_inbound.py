@@ -8,6 +8,7 @@ own node's memory, never sent to it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from ckptfmt.storage.slot import SlotStore
 from ckptfmt.tier.agreed import AgreedRestore
 from ckptfmt.tier.binding import SlotBinding, normalize_run_url, run_identity
 from ckptfmt.tier.nodes import NodeMap
+from ckptfmt.tier.ring import MemoryTier
+from ckptfmt.tier.summary import OTHER, to_ranges
 from ckptfmt.writer import CheckpointWriter
 from tests.test_agreed_restore import JOIN_TIMEOUT, ROWS, TIMEOUT, tiers_of
 
@@ -109,3 +112,48 @@ def test_rank_0_takes_in_the_same_bytes_whatever_the_files_per_rank(tmp_path: Pa
     assert [g[0] for g in got_few] == [g[0] for g in got_many] == [200.0, 300.0, 0.0, 100.0]
     print(f"rank 0 inbound: {few} bytes with 2 files per rank, {many} with 20")
     assert few == many, (few, many)
+
+
+def test_at_1024_nodes_of_8_ranks_rank_0_takes_in_less_than_a_megabyte() -> None:
+    """The coordinator's part of the exchanges, at 1,024 nodes of 8 ranks (each node holding its own ranks' files and
+    a replica of the next node's; node 0 back empty): the summaries, each rank's needs, the manifests' round, framed
+    as ckptfmt.decide frames them. The manifest, which lists every file, is the one record not counted: rank 0 reads
+    it from its own node's memory, or takes in one copy of it from one holder (here, asked of node 1's leader)."""
+    nodes, per = 1024, 8
+    world = nodes * per
+    names = tuple(f"n{i:04d}" for i in range(nodes) for _ in range(per))
+    ckpt_id = "sha256:" + "ab" * 32
+    agreed = AgreedRestore(
+        MemoryTier("/nonexistent", "/tmp/run"),  # never read: the coordinator's own node holds nothing here
+        collective=None,
+        channel=None,
+        nodes=NodeMap(nodes=names),
+        node=names[0],
+        run_id="x",
+        run_dir="/tmp/run",
+        rank=0,
+    )
+    summaries: list[object] = []
+    for rank in range(world):
+        node = rank // per
+        if rank % per:
+            summaries.append(None)  # only a node's leader speaks for it
+            continue
+        held = to_ranges(
+            [*range(node * per, node * per + per), *range((node + 1) % nodes * per, ((node + 1) % nodes + 1) * per)]
+        )
+        summary = {"checkpoint_id": ckpt_id, "step": 7, "writers": [[OTHER, world]], "held": [list(r) for r in held]}
+        if node == 1:
+            summary["held"] = [[OTHER, 0], *summary["held"]]  # type: ignore[list-item]
+        summaries.append({"summaries": [summary] if node else []})
+    choice = agreed._choose(summaries)
+    assert choice["chosen"] == [[7, ckpt_id]] and choice["ask"] == {ckpt_id: per}  # type: ignore[index]
+    needs = [[[r, r + 1]] for r in range(world)]  # each rank reads its own rows
+    manifests_round = [{} for _ in range(world)]
+    inbound = sum(len(_framed(v)) for round_ in (summaries, needs, manifests_round) for v in round_)
+    print(f"rank 0 inbound at {world} ranks: {inbound:,} bytes")
+    assert inbound < 1 << 20
+
+
+def _framed(value: object) -> bytes:
+    return json.dumps({"ok": value}, sort_keys=True, separators=(",", ":")).encode()

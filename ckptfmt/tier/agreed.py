@@ -151,6 +151,9 @@ class AgreedRestore:
         self.run_id = run_id
         self.run_dir = run_dir
         self.rank = rank
+        self._ranks: dict[str, list[int]] = {}  # each node's ranks, in order of its lowest (NodeMap's are O(world))
+        for r, n in enumerate(nodes.nodes):
+            self._ranks.setdefault(n, []).append(r)
         self._mine: list[Holding] = []  # this node's holdings, as this rank listed them
         self._manifests: dict[str, bytes] = {}  # of this node's holdings, each hashing to its id
         self._held: dict[str, dict[str, Ranges]] = {}  # option's id -> node -> writer ranks it holds whole
@@ -234,7 +237,7 @@ class AgreedRestore:
         for _, cid in found:
             if cid not in self._manifests:
                 holder = min((n for n, cs in summaries.items() for c in cs if c.checkpoint_id == cid), key=self._order)
-                ask[cid] = self.nodes.leader(holder)
+                ask[cid] = self._ranks[holder][0]
         return {
             "chosen": [[step, cid] for step, cid in found],
             "held": {cid: _held_doc(summaries, cid) for _, cid in found},
@@ -271,10 +274,10 @@ class AgreedRestore:
         return out
 
     def _order(self, node: str) -> int:
-        return self.nodes.names.index(node)
+        return self._ranks[node][0]
 
     def _ranks_of(self, nodes: Iterable[str]) -> str:
-        return ", ".join(f"rank {self.nodes.leader(n)} (node {n[:80]!r})" for n in nodes)
+        return ", ".join(f"rank {self._ranks[n][0]} (node {n[:80]!r})" for n in nodes)
 
     def _parse_summaries(self, values: Sequence[object]) -> dict[str, list[Completeness]]:
         """Each node's summaries, by the node of the leader that sent them: a leader speaks only for its own node."""
@@ -283,7 +286,7 @@ class AgreedRestore:
         out: dict[str, list[Completeness]] = {}
         for rank, value in enumerate(values):
             node = self.nodes.nodes[rank]
-            if self.nodes.leader(node) != rank:
+            if self._ranks[node][0] != rank:
                 if value is not None:
                     log.warning(
                         "rank %d is not the leader of node %r, only that node's leader speaks for it", rank, node
@@ -319,13 +322,13 @@ class AgreedRestore:
             raise MalformedMessageError(f"{who} sent a map of holders or of manifests of other checkpoints")
         held: dict[str, dict[str, Ranges]] = {}
         for cid, by_node in raw_held.items():
-            if not isinstance(by_node, dict) or not set(by_node) <= set(self.nodes.names):
+            if not isinstance(by_node, dict) or not set(by_node) <= self._ranks.keys():
                 raise MalformedMessageError(f"{who} sent holders of {cid} that are not nodes of the job")
             held[cid] = {n: parse_ranges(r, who, f"held by {n[:80]}") for n, r in by_node.items()}
         ask: dict[str, int] = {}
         for cid, rank in raw_ask.items():
             if not (
-                _is_count(rank) and rank < len(self.nodes.nodes) and rank == self.nodes.leader(self.nodes.nodes[rank])
+                _is_count(rank) and rank < len(self.nodes.nodes) and rank == self._ranks[self.nodes.nodes[rank]][0]
             ):
                 raise MalformedMessageError(f"{who} asked a rank that is no node's leader for the manifest of {cid}")
             ask[cid] = rank
@@ -476,7 +479,7 @@ class AgreedRestore:
 
     def _parse_needs(self, decided: object) -> dict[str, Ranges]:
         who = f"rank {COORDINATOR}"
-        if not isinstance(decided, dict) or set(decided) != set(self.nodes.names):
+        if not isinstance(decided, dict) or decided.keys() != self._ranks.keys():
             raise MalformedMessageError(f"{who} sent needs that are not an object of the job's nodes")
         return {node: parse_ranges(value, who, f"needs of {node[:80]}") for node, value in decided.items()}
 
@@ -491,12 +494,11 @@ class AgreedRestore:
         )
         fetches: list[Fetch] = []
         turn = 0
-        for node in self.nodes.names:
+        for node, receivers in self._ranks.items():
             lacking = minus(needs.get(node, ()), [held.get(node, ())])  # only these are ever expanded to ranks
             plan = plan_fetches(node, (r for a, b in lacking for r in range(a, b)), holders)
-            receivers = self.nodes.ranks_of(node)
             for writer, source in sorted(plan.items()):
-                senders = self.nodes.ranks_of(source)
+                senders = self._ranks[source]
                 fetches.append(
                     Fetch(writer=writer, src=senders[turn % len(senders)], dst=receivers[turn % len(receivers)])
                 )
