@@ -447,13 +447,17 @@ class AgreedRestore:
                 for path in groups.get(fetch.writer, {}):
                     labels[path] = f"peer:rank {fetch.src}"
                     arrived.add(path)
+        sizes = {p: size for files in groups.values() for p, size in files.items()}
         layers: list[tuple[str, Store]] = []
         for holding in self._holdings_of(option.checkpoint_id):
             problem = self.own_dir_problem(holding.path)
             if problem is not None:
                 log.warning("restore of step %d: %r not read: %s", option.step, holding.path[:200], problem)
                 continue
-            layers.append(("memory" if holding.kind == "slot" else "peer-copy", HeldStore(holding.path, holding.files)))
+            # a file here at another size than the manifest's, or one fetched whole with its writer rank's, is read
+            # from where it counts as held
+            files = [p for p, size in holding.files.items() if sizes.get(p) == size and p not in arrived]
+            layers.append(("memory" if holding.kind == "slot" else "peer-copy", HeldStore(holding.path, files)))
         # only what arrived at this restore: anything else in the directory is no file of this fetch
         layers.append(("fetched", HeldStore(fetch_dir, arrived if private_dir_problem(fetch_dir) is None else ())))
         return Fetched(
