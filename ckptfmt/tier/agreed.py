@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..collective import Collective, PeerChannel
-from ..decide import COORDINATOR, MAX_DECISION, decide
+from ..decide import MAX_DECISION, decide
 from ..errors import CheckpointError, CollectiveError, DigestMismatchError, MalformedMessageError, UnsafePathError
 from ..manifest import Manifest, checkpoint_id
 from ..manifest_parse import parse_manifest
@@ -49,6 +49,7 @@ from .binding import SlotBinding, normalize_run_url
 from .holdings import FETCH_PREFIX, PEER_PREFIX, Holding, check_checkpoint_id, node_holdings
 from .nodes import NodeMap
 from .replica import ROUND_TAGS
+from .restore_messages import MemoryOption, RestoreMessages, held_doc, parse_options
 from .ring import SLOT_PREFIX, MemoryTier, private_dir_problem
 from .summary import (
     Completeness,
@@ -56,7 +57,6 @@ from .summary import (
     choose,
     holders_of,
     minus,
-    parse_ranges,
     plan_fetches,
     rank_groups,
     summarize,
@@ -64,24 +64,16 @@ from .summary import (
 )
 from .wire import receive_files, send_files
 
+__all__ = ["AgreedRestore", "Fetch", "Fetched", "HeldStore", "MemoryOption"]
+
 log = logging.getLogger("ckptfmt")
 
 # A leader's summaries: a few ranges of writer ranks for each checkpoint its node holds (a handful), never files.
-MAX_SUMMARIES = 1024  # checkpoints one node holds: its slots and the replicas it keeps, far fewer
 MAX_SUMMARY_BYTES = 1 << 20
 MAX_NEEDS_BYTES = 64 << 10  # one rank's needs: ranges of writer ranks
 FETCH_ID_CHARS = 16  # of the checkpoint id's hex digits, in the name of its fetch directory
 # the directories a holding may be, directly under a node's memory directory of the run
 _HOLDING_DIR = re.compile(rf"{SLOT_PREFIX}\d+|{PEER_PREFIX}\d+-\d+|{FETCH_PREFIX}[0-9a-f]{{{FETCH_ID_CHARS}}}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryOption:
-    """A checkpoint whose every writer rank's files some live node's memory holds whole."""
-
-    step: int
-    checkpoint_id: str
-    manifest_bytes: bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,9 +143,8 @@ class AgreedRestore:
         self.run_id = run_id
         self.run_dir = run_dir
         self.rank = rank
-        self._ranks: dict[str, list[int]] = {}  # each node's ranks, in order of its lowest (NodeMap's are O(world))
-        for r, n in enumerate(nodes.nodes):
-            self._ranks.setdefault(n, []).append(r)
+        self._messages = RestoreMessages(nodes)
+        self._ranks = self._messages.ranks  # each node's ranks, lowest first
         self._mine: list[Holding] = []  # this node's holdings, as this rank listed them
         self._manifests: dict[str, bytes] = {}  # of this node's holdings, each hashing to its id
         self._held: dict[str, dict[str, Ranges]] = {}  # option's id -> node -> writer ranks it holds whole
@@ -189,7 +180,7 @@ class AgreedRestore:
         chosen = decide(self.collective, mine, self._choose, what="the memory options", max_size=MAX_SUMMARY_BYTES)
         if not leader:  # listed after the leader's clean-up, which ended before its summaries were sent
             self._list_mine()
-        steps, held, ask = self._parse_choice(chosen)
+        steps, held, ask = self._messages.parse_choice(chosen)
         asked = [cid for cid, rank in ask.items() if rank == self.rank and cid in self._manifests]
         decision = decide(
             self.collective,
@@ -198,7 +189,7 @@ class AgreedRestore:
             what="the memory options' manifests",
             max_size=MAX_DECISION,
         )
-        options = self._parse_options(decision, steps)
+        options = parse_options(decision, steps)
         self._steps = [(o.step, o.checkpoint_id) for o in options]
         self._held = {o.checkpoint_id: held[o.checkpoint_id] for o in options}
         return options
@@ -216,7 +207,7 @@ class AgreedRestore:
 
     def _choose(self, values: Sequence[object]) -> object:
         """The coordinator's choice, from each node's summaries, and whom to ask for the manifests it lacks."""
-        summaries = self._bear_out(self._parse_summaries(values))
+        summaries = self._bear_out(self._messages.parse_summaries(values))
         claims: dict[str, dict[tuple[int, Ranges], list[str]]] = {}
         for node, cs in summaries.items():
             for c in cs:
@@ -240,7 +231,7 @@ class AgreedRestore:
                 ask[cid] = self._ranks[holder][0]
         return {
             "chosen": [[step, cid] for step, cid in found],
-            "held": {cid: _held_doc(summaries, cid) for _, cid in found},
+            "held": {cid: held_doc(summaries, cid) for _, cid in found},
             "ask": ask,
         }
 
@@ -278,61 +269,6 @@ class AgreedRestore:
 
     def _ranks_of(self, nodes: Iterable[str]) -> str:
         return ", ".join(f"rank {self._ranks[n][0]} (node {n[:80]!r})" for n in nodes)
-
-    def _parse_summaries(self, values: Sequence[object]) -> dict[str, list[Completeness]]:
-        """Each node's summaries, by the node of the leader that sent them: a leader speaks only for its own node."""
-        if len(values) != len(self.nodes.nodes):
-            raise MalformedMessageError(f"{len(values)} ranks answered, the node map has {len(self.nodes.nodes)}")
-        out: dict[str, list[Completeness]] = {}
-        for rank, value in enumerate(values):
-            node = self.nodes.nodes[rank]
-            if self._ranks[node][0] != rank:
-                if value is not None:
-                    log.warning(
-                        "rank %d is not the leader of node %r, only that node's leader speaks for it", rank, node
-                    )
-                continue
-            if not isinstance(value, dict) or set(value) != {"summaries"} or not isinstance(value["summaries"], list):
-                raise MalformedMessageError(f"rank {rank} sent summaries that are not an object of a list")
-            if len(value["summaries"]) > MAX_SUMMARIES:
-                raise MalformedMessageError(f"rank {rank} sent more than {MAX_SUMMARIES} summaries")
-            parsed = [Completeness.from_dict(c, rank=rank) for c in value["summaries"]]
-            if len({c.checkpoint_id for c in parsed}) != len(parsed):
-                raise MalformedMessageError(f"rank {rank} sent two summaries of one checkpoint")
-            out[node] = parsed
-        return out
-
-    def _parse_choice(
-        self, chosen: object
-    ) -> tuple[list[tuple[int, str]], dict[str, dict[str, Ranges]], dict[str, int]]:
-        """The coordinator's choice, parsed alike on every rank."""
-        who = f"rank {COORDINATOR}"
-        if not isinstance(chosen, dict) or set(chosen) != {"chosen", "held", "ask"}:
-            raise MalformedMessageError(f"{who} sent a choice that is not an object of chosen, held and ask")
-        raw, raw_held, raw_ask = chosen["chosen"], chosen["held"], chosen["ask"]
-        if not isinstance(raw, list) or not isinstance(raw_held, dict) or not isinstance(raw_ask, dict):
-            raise MalformedMessageError(f"{who} sent a choice whose members are not of their types")
-        steps: list[tuple[int, str]] = []
-        for item in raw:
-            if not (isinstance(item, list) and len(item) == 2 and _is_count(item[0])):
-                raise MalformedMessageError(f"{who} sent a chosen checkpoint that is not [step, checkpoint id]")
-            steps.append((item[0], check_checkpoint_id(item[1], who)))
-        ids = {cid for _, cid in steps}
-        if len(ids) != len(steps) or set(raw_held) != ids or not set(raw_ask) <= ids:
-            raise MalformedMessageError(f"{who} sent a map of holders or of manifests of other checkpoints")
-        held: dict[str, dict[str, Ranges]] = {}
-        for cid, by_node in raw_held.items():
-            if not isinstance(by_node, dict) or not set(by_node) <= self._ranks.keys():
-                raise MalformedMessageError(f"{who} sent holders of {cid} that are not nodes of the job")
-            held[cid] = {n: parse_ranges(r, who, f"held by {n[:80]}") for n, r in by_node.items()}
-        ask: dict[str, int] = {}
-        for cid, rank in raw_ask.items():
-            if not (
-                _is_count(rank) and rank < len(self.nodes.nodes) and rank == self._ranks[self.nodes.nodes[rank]][0]
-            ):
-                raise MalformedMessageError(f"{who} asked a rank that is no node's leader for the manifest of {cid}")
-            ask[cid] = rank
-        return steps, held, ask
 
     def _with_manifests(self, steps: Sequence[tuple[int, str]], values: Sequence[object]) -> object:
         """The coordinator's options: each chosen checkpoint with its manifest (its own, or the one it asked a holder
@@ -381,26 +317,6 @@ class AgreedRestore:
             return "its manifest's writer ranks are not those the nodes' leaders counted"
         return None
 
-    def _parse_options(self, decision: object, steps: Sequence[tuple[int, str]]) -> list[MemoryOption]:
-        """The coordinator's options, parsed alike on every rank: each one chosen, its manifest hashing to its id and
-        listing the writer ranks the holders were counted against."""
-        who = f"rank {COORDINATOR}"
-        if not isinstance(decision, list):
-            raise MalformedMessageError(f"{who} sent memory options that are not a list")
-        chosen = set(steps)
-        options: list[MemoryOption] = []
-        for raw in decision:
-            if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[2], str) and _is_count(raw[0])):
-                raise MalformedMessageError(f"{who} sent a memory option that is not [step, checkpoint id, manifest]")
-            ckpt_id = check_checkpoint_id(raw[1], who)
-            if (raw[0], ckpt_id) not in chosen:
-                raise MalformedMessageError(f"{who} sent a memory option it had not chosen: {ckpt_id}")
-            data = raw[2].encode("utf-8", "surrogatepass")
-            if checkpoint_id(data) != ckpt_id:
-                raise MalformedMessageError(f"{who} sent a memory option whose manifest does not hash to {ckpt_id}")
-            options.append(MemoryOption(step=raw[0], checkpoint_id=ckpt_id, manifest_bytes=data))
-        return options
-
     # ---------------------------------------------------------------- gathering the files
 
     def fetch(self, option: MemoryOption, needed: set[str]) -> Fetched:
@@ -418,11 +334,11 @@ class AgreedRestore:
             mine = [list(r) for r in to_ranges(writer_of[p] for p in needed if p in writer_of)]
         except CheckpointError as exc:
             mine = exc
-        needs = self._parse_needs(
+        needs = self._messages.parse_needs(
             decide(
                 self.collective,
                 mine,
-                self._node_needs,
+                self._messages.node_needs,
                 what=f"the needs of the restore of step {option.step}",
                 max_size=MAX_NEEDS_BYTES,
             )
@@ -471,21 +387,6 @@ class AgreedRestore:
     def _holdings_of(self, ckpt_id: str) -> list[Holding]:
         """This node's holdings of ``ckpt_id``: its slot first, then the copies it keeps."""
         return sorted((h for h in self._mine if h.checkpoint_id == ckpt_id), key=lambda h: (h.kind != "slot", h.path))
-
-    def _node_needs(self, values: Sequence[object]) -> object:
-        """The coordinator's union of each node's ranks' needs (writer ranks, as ranges)."""
-        if len(values) != len(self.nodes.nodes):
-            raise MalformedMessageError(f"{len(values)} ranks answered, the node map has {len(self.nodes.nodes)}")
-        by_node: dict[str, list[Ranges]] = {}
-        for rank, value in enumerate(values):
-            by_node.setdefault(self.nodes.nodes[rank], []).append(parse_ranges(value, f"rank {rank}", "needs"))
-        return {node: [list(r) for r in _union(ranges)] for node, ranges in by_node.items()}
-
-    def _parse_needs(self, decided: object) -> dict[str, Ranges]:
-        who = f"rank {COORDINATOR}"
-        if not isinstance(decided, dict) or decided.keys() != self._ranks.keys():
-            raise MalformedMessageError(f"{who} sent needs that are not an object of the job's nodes")
-        return {node: parse_ranges(value, who, f"needs of {node[:80]}") for node, value in decided.items()}
 
     def _plan(self, ckpt_id: str, needs: Mapping[str, Ranges]) -> list[Fetch]:
         """Every node's fetches, alike on every rank: for each node, the writer ranks its ranks need that it does not
@@ -598,28 +499,6 @@ class AgreedRestore:
     def agree(self, error: CheckpointError | None) -> None:
         """Raise on every rank one error naming every rank that failed, if any did (a collective call)."""
         decide(self.collective, error, lambda _: None, what="the restore's transfers")
-
-
-def _held_doc(summaries: Mapping[str, Sequence[Completeness]], ckpt_id: str) -> dict[str, list[list[int]]]:
-    return {
-        node: [list(r) for c in cs if c.checkpoint_id == ckpt_id for r in c.held]
-        for node, cs in summaries.items()
-        if any(c.checkpoint_id == ckpt_id and c.held for c in cs)
-    }
-
-
-def _union(ranges: Iterable[Ranges]) -> Ranges:
-    merged: list[tuple[int, int]] = []
-    for a, b in sorted(r for rs in ranges for r in rs):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return tuple(merged)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
 def _option_manifest(option: MemoryOption) -> Manifest:
