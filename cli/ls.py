@@ -199,8 +199,27 @@ def describe_restore(report: Mapping[str, Any]) -> list[str]:
     if held:
         lines.append("  memory held (complete checkpoints):")
         for h in sorted(held, key=lambda h: (-int(h.get("step") or 0), str(h.get("node")), str(h.get("kind")))):
+            if "ranks" in h:  # what each node holds whole, as ranges of writer ranks (issue 42's summaries)
+                lines.append(f"    step {h.get('step')}: node {h.get('node')} writer ranks {_ranges(h.get('ranks'))}")
+                continue
             lines.append(
                 f"    step {h.get('step')}: node {h.get('node')} {h.get('kind')}, {h.get('files')} file(s), "
                 f"{human_bytes(int(h.get('bytes') or 0))}"
             )
     return lines
+
+
+def _ranges(value: object) -> str:
+    """``[[-1, 4], [6, 7]]`` as ``unnamed files, 0-3, 6`` (-1: the files no rank's name claims)."""
+    if not isinstance(value, list):
+        return "?"
+    parts = []
+    for item in value:
+        if isinstance(item, list) and len(item) == 2 and all(isinstance(x, int) for x in item):
+            start, stop = item
+            if start < 0:
+                parts.append("unnamed files")
+                start = 0
+            if start < stop:
+                parts.append(str(start) if stop == start + 1 else f"{start}-{stop - 1}")
+    return ", ".join(parts) or "none"

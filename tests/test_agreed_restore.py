@@ -1,9 +1,10 @@
 """The restore across nodes facing a lying or buggy rank (spec/memory.md MEM-11, MEM-12; red-team 3: 01, 02, 07, 11).
 
 Ranks are threads (:class:`ThreadCollective`, also the peer channel); a node is its own memory directory. A
-leader's holdings list is hostile input: what does not parse fails every rank at once, naming the rank; what
-parses but does not check out against the bytes it names is left out; nothing is read or written outside a
-node's own memory directory.
+leader's completeness summaries are hostile input: what does not parse fails every rank at once, naming the rank;
+what parses but does not check out against the manifest it names is left out; a holder that claims what it does
+not hold makes every rank pass over the checkpoint together; nothing is read or written outside a node's own memory
+directory.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from ckptfmt.errors import CheckpointError, CollectiveError, DigestMismatchError
 from ckptfmt.manifest import checkpoint_id
 from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.storage.slot import SlotStore
-from ckptfmt.tier.agreed import AgreedRestore, MemoryOption
+from ckptfmt.tier.agreed import AgreedRestore, Fetch, MemoryOption
 from ckptfmt.tier.binding import SlotBinding, normalize_run_url, run_identity
-from ckptfmt.tier.holdings import Holding, Transfer, node_holdings, rank_of_file
+from ckptfmt.tier.holdings import Holding, node_holdings, rank_of_file
 from ckptfmt.tier.nodes import NodeMap
 from ckptfmt.tier.ring import MemoryTier
 from ckptfmt.writer import CheckpointWriter
@@ -80,13 +81,14 @@ def snapshot(tiers: dict[str, MemoryTier], nodes: tuple[str, ...], *, step: int,
 
 
 class Tampering(ThreadCollective):
-    """Rank ``rank`` of ``inner``'s group, whose first gather (its holdings report) goes through ``alter``: what a
-    buggy or lying process would put on the wire. ``alter`` returns the report to send (framed as the report was)
-    or the raw bytes."""
+    """Rank ``rank`` of ``inner``'s group, whose first gather (its completeness summaries) goes through ``alter``:
+    what a buggy or lying process would put on the wire. ``alter`` returns the value to send (framed as the value
+    was) or the raw bytes. ``every``: every gather goes through it (it tells them apart by their shape)."""
 
-    def __init__(self, inner: ThreadCollective, alter: Callable[[Any], object]) -> None:
+    def __init__(self, inner: ThreadCollective, alter: Callable[[Any], object], *, every: bool = False) -> None:
         super().__init__(inner.rank, inner._shared)
         self.alter: Callable[[Any], object] | None = alter
+        self.every = every
 
     def gather(self, data: bytes, *, dst: int, max_size: int | None = None) -> list[bytes] | None:
         if self.alter is not None:
@@ -96,15 +98,22 @@ class Tampering(ThreadCollective):
             data = (
                 altered if isinstance(altered, bytes) else json.dumps({"ok": altered} if framed else altered).encode()
             )
-            self.alter = None
+            if not self.every:
+                self.alter = None
         return super().gather(data, dst=dst, max_size=max_size)
 
 
 def agreed_restores(
-    tiers: dict[str, MemoryTier], nodes: tuple[str, ...], alter: dict[int, Callable[[Any], object]] | None = None
+    tiers: dict[str, MemoryTier],
+    nodes: tuple[str, ...],
+    alter: dict[int, Callable[[Any], object]] | None = None,
+    *,
+    every: bool = False,
 ) -> list[AgreedRestore]:
     group = ThreadCollective.group(len(nodes), timeout=TIMEOUT)
-    handles: list[ThreadCollective] = [Tampering(c, alter[c.rank]) if alter and c.rank in alter else c for c in group]
+    handles: list[ThreadCollective] = [
+        Tampering(c, alter[c.rank], every=every) if alter and c.rank in alter else c for c in group
+    ]
     run = str(next(iter(tiers.values())).memory_dir.parent / "run")
     return [
         AgreedRestore(
@@ -184,15 +193,6 @@ def test_a_malformed_holding_is_refused_naming_the_member_and_the_rank(
         Holding.from_dict("slot-0", rank=3)
 
 
-@pytest.mark.parametrize("member", ["path", "size", "src", "source_dir", "dst"])
-def test_a_malformed_transfer_is_refused_naming_the_member(member: str) -> None:
-    doc: dict[str, object] = {"path": "weights/a", "size": 3, "src": 1, "source_dir": "/m/slot-0", "dst": 0}
-    assert Transfer.from_dict(doc, rank=0).to_dict() == doc
-    doc[member] = [] if member in ("path", "source_dir") else "7"
-    with pytest.raises(MalformedMessageError, match=f"rank 0: member '{member}'"):
-        Transfer.from_dict(doc, rank=0)
-
-
 def test_the_rank_of_a_file_is_read_from_the_writer_s_names() -> None:
     assert rank_of_file("weights/r00012-00003.safetensors") == 12
     assert rank_of_file("optimizer/context.r00004.msgpack") == 4
@@ -220,8 +220,8 @@ def test_a_checkpoint_id_that_is_no_sha256_fails_every_rank_at_once_and_nothing_
     bad = "sha256:../../../../escaped-by-peer"
 
     def rename(report: Any) -> object:
-        report["holdings"][0]["checkpoint_id"] = bad
-        report["manifests"] = {bad: report["manifests"][ckpt_id]}
+        assert report["summaries"][0]["checkpoint_id"] == ckpt_id
+        report["summaries"][0]["checkpoint_id"] = bad
         return report
 
     before = everything_under(tmp_path)
@@ -246,19 +246,23 @@ def test_an_option_whose_id_is_no_sha256_is_refused_before_a_directory_is_made(t
 
 
 def test_a_manifest_that_does_not_hash_to_its_id_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    tiers, ckpt_id = only_b_holds(tmp_path)
+    """B's leader files its summary under a forged id, and sends its manifest under that id when asked for it."""
+    tiers, _ = only_b_holds(tmp_path)
     forged = "sha256:" + "0" * 64
+    manifest = Path(tiers["B"].slot_path(0), "manifest.json").read_text()
 
-    def refile(report: Any) -> object:
-        report["holdings"][0]["checkpoint_id"] = forged
-        report["manifests"] = {forged: report["manifests"][ckpt_id]}
-        return report
+    def refile(value: Any) -> object:
+        if isinstance(value, dict) and "summaries" in value:
+            value["summaries"][0]["checkpoint_id"] = forged
+            return value
+        return {forged: manifest} if isinstance(value, dict) else value  # asked for the forged id's manifest
 
-    restores = agreed_restores(tiers, ("A", "B"), {1: refile})
+    restores = agreed_restores(tiers, ("A", "B"), {1: refile}, every=True)
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
         out = run_threads(2, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
     assert out == [[], []]
     assert any("rank 1 sent a manifest for " + forged in r.getMessage() for r in caplog.records)
+    assert any("passed over: no manifest that hashes to its id came" in r.getMessage() for r in caplog.records)
 
 
 def test_a_sender_s_manifest_of_another_checkpoint_is_refused_and_nothing_is_published(tmp_path: Path) -> None:
@@ -273,8 +277,10 @@ def test_a_sender_s_manifest_of_another_checkpoint_is_refused_and_nothing_is_pub
         assert [o.step for o in options] == [6, 5]
         if rank == 1:  # B sends step 6's manifest (and files) where step 5's were planned
 
-            def lying_move(self: AgreedRestore, index: int, transfer: Transfer, option: Any, fetch_dir: str) -> None:
-                real_move(self, index, transfer, options[0], fetch_dir)
+            def lying_move(
+                self: AgreedRestore, index: int, fetch: Fetch, option: Any, files: Any, fetch_dir: str
+            ) -> None:
+                real_move(self, index, fetch, options[0], files, fetch_dir)
 
             restores[1]._move = lying_move.__get__(restores[1])  # type: ignore[method-assign]
         return read_all_rows(restores[rank], options[1], 2)
@@ -299,53 +305,85 @@ def test_a_claimed_step_that_its_manifest_does_not_bind_is_refused(
     id20 = snapshot(tiers, ("A", "B"), step=20, slot=1)
 
     def lie(report: Any) -> object:
-        for holding in report["holdings"]:
-            if holding["step"] == 10:
-                holding["step"] = 30
+        for summary in report["summaries"]:
+            if summary["step"] == 10:
+                summary["step"] = 30
         return report
 
     restores = agreed_restores(tiers, ("A", "B"), {1: lie})
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
         out = run_threads(2, lambda rank: [(o.step, o.checkpoint_id) for o in restores[rank].options()], JOIN_TIMEOUT)
-    assert out == [[(20, id20)]] * 2  # never step 30; step 10 is incomplete without B's holding
+    assert out == [[(20, id20)]] * 2  # never step 30; step 10 is incomplete without B's summary of it
     assert any(
-        "rank 1" in r.getMessage() and "claims step 30" in r.getMessage() and "step 10" in r.getMessage()
+        "rank 1 (node 'B') claims step 30" in r.getMessage() and "says step 10" in r.getMessage()
         for r in caplog.records
     )
 
 
-def test_a_leader_speaks_only_for_its_own_node(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """B's leader reports its complete holding as being on node A: A's ranks would read B's directory."""
-    tiers, _ = only_b_holds(tmp_path)
+def test_holders_disagreeing_on_a_checkpoint_the_coordinator_cannot_check_pass_over_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A (the coordinator's node) holds nothing; B and C both hold step 5, and C's leader claims step 30: with no
+    manifest at hand to tell which is right, the coordinator passes over it on every rank."""
+    tiers = tiers_of(tmp_path, ("A", "B", "C"))
+    snapshot({"B": tiers["B"]}, ("B", "B"), step=5)
+    shutil.copytree(tiers["B"].slot_path(0), tiers["C"].root / "peer-00000-0")  # C keeps a replica of it
 
-    def elsewhere(report: Any) -> object:
-        report["holdings"][0]["node"] = "A"
+    def lie(report: Any) -> object:
+        report["summaries"][0]["step"] = 30
         return report
 
-    restores = agreed_restores(tiers, ("A", "B"), {1: elsewhere})
+    restores = agreed_restores(tiers, ("A", "B", "C"), {2: lie})
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        out = run_threads(3, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
+    assert out == [[], [], []]
+    assert any(
+        "disagree" in r.getMessage() and "rank 2 (node 'C') claim step 30" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_step_claimed_by_every_holder_is_checked_against_the_manifest_s_binding(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only B holds step 5 and its leader claims step 30: the coordinator asks B for the manifest, which binds 5."""
+    tiers, _ = only_b_holds(tmp_path)
+
+    def lie(report: Any) -> object:
+        report["summaries"][0]["step"] = 30
+        return report
+
+    restores = agreed_restores(tiers, ("A", "B"), {1: lie})
     with caplog.at_level(logging.WARNING, logger="ckptfmt"):
         out = run_threads(2, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
     assert out == [[], []]
+    assert any("claim step 30, its manifest's binding says step 5" in r.getMessage() for r in caplog.records)
+
+
+def test_a_leader_speaks_only_for_its_own_node(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1, on node A but not its leader, sends a summary of a whole checkpoint: it counts for nobody."""
+    tiers = tiers_of(tmp_path, ("A", "B"))
+    claim = {"checkpoint_id": "sha256:" + "ab" * 32, "step": 9, "writers": [[0, 3]], "held": [[0, 3]]}
+    restores = agreed_restores(tiers, ("A", "A", "B"), {1: lambda _: {"summaries": [claim]}})
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        out = run_threads(3, lambda rank: restores[rank].options(), JOIN_TIMEOUT)
+    assert out == [[], [], []]
     assert any("rank 1 is not the leader of node 'A'" in r.getMessage() for r in caplog.records)
 
 
-def test_a_holding_outside_the_node_s_memory_directory_is_never_read(tmp_path: Path) -> None:
-    """B's leader reports its holding at a directory outside its memory directory: B's rank sends nothing from it
-    (the receiver is told at once), and every rank passes over the option together."""
-    tiers, _ = only_b_holds(tmp_path)
-    outside = tmp_path / "outside" / "slot-0"
-    shutil.copytree(tiers["B"].slot_path(0), outside)
-
-    def move(report: Any) -> object:
-        report["holdings"][0]["path"] = str(outside)
-        return report
-
-    restores = agreed_restores(tiers, ("A", "B"), {1: move})
-    out = run_threads(2, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2), JOIN_TIMEOUT)
+def test_a_holder_claiming_files_it_lacks_makes_every_rank_pass_over_together(tmp_path: Path) -> None:
+    """Only B holds step 5; C's leader claims it too. A's fetch of one writer rank is planned from C, whose rank
+    finds no such files in its own memory (a rank reads only its own node's holdings, never a path from a message)
+    and refuses at once: every rank raises the same error, none waits out a timeout, nothing is published on A."""
+    tiers = tiers_of(tmp_path, ("A", "B", "C"))
+    ckpt_id = snapshot({"B": tiers["B"]}, ("B", "B"), step=5)
+    claim = {"checkpoint_id": ckpt_id, "step": 5, "writers": [[0, 2]], "held": [[0, 2]]}
+    restores = agreed_restores(tiers, ("A", "B", "C"), {2: lambda _: {"summaries": [claim]}})
+    out = run_threads(3, lambda rank: read_all_rows(restores[rank], restores[rank].options()[0], 2), JOIN_TIMEOUT)
+    assert len({str(e) for e in out}) == 1, out
     for exc in out:
-        assert isinstance(exc, CollectiveError), out
-        assert "not in this node's memory directory" in str(exc) and "within" not in str(exc)
-    assert list(tiers["A"].root.glob("fetched-*/**/*.safetensors")) == []
+        assert isinstance(exc, CheckpointError), out
+        assert "rank 2" in str(exc) and "not sent" in str(exc) and "within" not in str(exc)
+    assert list(tiers["A"].root.glob("fetched-*/weights/r00001*")) == []
 
 
 # ---------------------------------------------------------------- 07: a malformed list fails every rank at once
@@ -357,36 +395,44 @@ def nested(report: Any) -> object:
 
 def set_in_first(**members: object) -> Callable[[Any], object]:
     def alter(report: Any) -> object:
-        report["holdings"][0].update(members)
+        report["summaries"][0].update(members)
         return report
 
     return alter
 
 
-def without_path(report: Any) -> object:
-    del report["holdings"][0]["path"]
+def without_held(report: Any) -> object:
+    del report["summaries"][0]["held"]
     return report
 
 
-def files_as_list(report: Any) -> object:
-    report["holdings"][0]["files"] = sorted(report["holdings"][0]["files"])
+def summaries_as_string(report: Any) -> object:
+    report["summaries"] = "slot-0"
     return report
 
 
-def holdings_as_string(report: Any) -> object:
-    report["holdings"] = "slot-0"
+def twice(report: Any) -> object:
+    report["summaries"] *= 2
     return report
 
 
 @pytest.mark.parametrize(
     "alter",
-    [without_path, files_as_list, holdings_as_string, set_in_first(step="1e9"), nested],
-    ids=["missing-path", "files-list", "holdings-string", "step-1e9", "200k-brackets"],
+    [
+        without_held,
+        set_in_first(held=[[2, 1]]),
+        set_in_first(writers="0-2"),
+        summaries_as_string,
+        twice,
+        set_in_first(step="1e9"),
+        nested,
+    ],
+    ids=["missing-held", "held-backwards", "writers-string", "summaries-string", "twice", "step-1e9", "200k-brackets"],
 )
-def test_a_malformed_holdings_list_fails_every_rank_at_once_naming_the_rank(
+def test_a_malformed_summary_fails_every_rank_at_once_naming_the_rank(
     tmp_path: Path, alter: Callable[[Any], object]
 ) -> None:
-    """Finding 07: node B's leader sends a malformed list; every rank raises the same CollectiveError naming rank 1,
+    """Finding 07: node B's leader sends malformed summaries; every rank raises the same CollectiveError naming rank 1,
     decided by the coordinator (not a timeout), so the manager passes over the memory options together."""
     tiers, _ = only_b_holds(tmp_path)
     restores = agreed_restores(tiers, ("A", "B"), {1: alter})
@@ -473,7 +519,7 @@ def test_the_manager_passes_over_the_memory_tier_when_its_holdings_cannot_be_agr
 
     run, shm = tmp_path / "run", tmp_path / "shm"
     train(run, shm, stop_at=7, replicate=True)  # step 7 in memory, step 5 durable
-    monkeypatch.setattr(AgreedRestore, "_report", lambda self: {"holdings": "slot-0", "manifests": {}})
+    monkeypatch.setattr(AgreedRestore, "_summaries", lambda self: {"summaries": "slot-0"})
     t = build()
     mgr = CheckpointManager(run, loader=t.loader, memory_every=1, memory_dir=shm, replicate=True)
     try:

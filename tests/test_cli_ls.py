@@ -92,6 +92,7 @@ def test_the_last_restore_is_shown_with_what_memory_held(run_dir: Path) -> None:
         "held": [
             {"node": "A", "kind": "slot", "step": 5, "checkpoint_id": "sha256:cd", "files": 12, "bytes": 4096},
             {"node": "A", "kind": "peer", "step": 5, "checkpoint_id": "sha256:cd", "files": 2, "bytes": 1024},
+            {"node": "B", "step": 5, "checkpoint_id": "sha256:cd", "ranks": [[-1, 3], [5, 6]]},
         ],
         "ranks": [{"tier": "memory"}, {"tier": "peer"}],
     }
@@ -100,6 +101,7 @@ def test_the_last_restore_is_shown_with_what_memory_held(run_dir: Path) -> None:
     assert "last restore: step 5 from memory+peer on 2 rank(s), 2.0 KiB between nodes" in out
     assert "(agree 0.050 s, gather 0.050 s, read 0.050 s, apply 0.100 s)" in out
     assert "passed over: memory step 6" in out and "step 5: node A peer, 2 file(s), 1.0 KiB" in out
+    assert "step 5: node B writer ranks unnamed files, 0-2, 5" in out
     doc = run_cli("ls", str(run_dir), "--json").json()
     assert doc["last_restore"]["held"][1]["kind"] == "peer"
     assert [e["name"] for e in doc["checkpoints"]].count("last-restore.json") == 0  # a record, not a checkpoint

@@ -23,10 +23,11 @@ from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.storage.slot import SlotStore
 from ckptfmt.tier.agreed import AgreedRestore
 from ckptfmt.tier.binding import SlotBinding, normalize_run_url, run_identity
-from ckptfmt.tier.holdings import Holding, complete, node_holdings, plan_transfers
+from ckptfmt.tier.holdings import Holding, complete, node_holdings
 from ckptfmt.tier.nodes import NodeMap
 from ckptfmt.tier.replica import Replicator, peer_dir
 from ckptfmt.tier.ring import MemoryTier
+from ckptfmt.tier.summary import choose, rank_groups, summarize, to_ranges
 from ckptfmt.tier.wire import PIECE_BYTES, receive_files, send_files
 from ckptfmt.writer import CheckpointWriter
 
@@ -248,7 +249,10 @@ def test_replicas_land_on_the_partner_node_and_complete_the_checkpoint_there(tmp
     assert complete([h for h in held if h.kind == "slot"], manifests) == []
 
 
-def test_the_plan_sends_a_file_once_per_node_from_a_holder_spreading_senders_and_receivers() -> None:
+def test_the_plan_fetches_each_writer_rank_once_per_node_from_a_holder_spreading_senders_and_receivers() -> None:
+    """A holds rank 0 and 1's files in its slot and every rank's in a copy, B nothing: B's ranks receive every writer
+    rank's files once, sent by A's ranks in turn and received by B's in turn; a rank that needs only its own rows
+    fetches only that writer rank's files."""
     nodes = NodeMap(nodes=("A", "A", "B", "B"))
     manifest_doc = written_manifest(4)
     cid = checkpoint_id(manifest_doc)
@@ -261,15 +265,29 @@ def test_the_plan_sends_a_file_once_per_node_from_a_holder_spreading_senders_and
         Holding(node="B", path="/b/slot-0", kind="slot", checkpoint_id=cid, step=1, files={}),
     ]
     assert complete(held, {cid: manifest_doc}) == [(1, cid)]
-    transfers = plan_transfers(manifest, cid, held, nodes, [set(files)] * 4)
-    assert sorted(t.path for t in transfers) == sorted(files)  # B lacks every file, A none: each sent once
-    assert {t.dst for t in transfers} == {2, 3} and {t.src for t in transfers} == {0, 1}
-    assert {t.source_dir for t in transfers} <= {"/a/slot-0", "/a/peer"}
-    # a rank needs only its own rows: only those files move
-    only = plan_transfers(manifest, cid, held, nodes, [set(), set(), {"weights/r00002-00000.safetensors"}, set()])
-    assert [t.path for t in only] == ["weights/r00002-00000.safetensors"]
+    groups = {cid: rank_groups(manifest_doc)}
+    summaries = {n: summarize([h for h in held if h.node == n], groups) for n in nodes.names}
+    assert choose(summaries) == [(1, cid)]
+    agreed = AgreedRestore(
+        MemoryTier("/nonexistent", RUN),
+        collective=None,
+        channel=None,
+        nodes=nodes,
+        node="B",
+        run_id="x",
+        run_dir=RUN,
+        rank=2,
+    )
+    agreed._held = {cid: {n: c.held for n, cs in summaries.items() for c in cs}}
+    everything = {n: to_ranges(range(4)) for n in nodes.names}
+    fetches = agreed._plan(cid, everything)
+    assert sorted(f.writer for f in fetches) == [0, 1, 2, 3]  # B lacks every writer rank, A none: each sent once
+    assert {f.dst for f in fetches} == {2, 3} and {f.src for f in fetches} == {0, 1}
+    only = agreed._plan(cid, {"A": (), "B": to_ranges([2])})
+    assert [f.writer for f in only] == [2]
     # held nowhere complete: no checkpoint to choose
     assert complete(held[:1], {cid: manifest_doc}) == []
+    assert choose({"A": summarize(held[:1], groups)}) == []
 
 
 def written_manifest(ranks: int) -> bytes:

@@ -20,6 +20,8 @@ from ckptfmt.tier.summary import (
     choose,
     covers,
     holders_of,
+    minus,
+    parse_ranges,
     plan_fetches,
     rank_groups,
     summarize,
@@ -118,6 +120,18 @@ def test_a_malformed_summary_is_refused_naming_its_sender(doc: object, member: s
 def test_ranges() -> None:
     assert to_ranges([5, 0, 1, 2, 7, 6, -1]) == ((-1, 3), (5, 8))
     assert covers([((0, 2),), ((2, 4), (6, 7))], ((0, 4),)) and not covers([((0, 2),)], ((0, 3),))
+    assert parse_ranges([[-1, 3], [5, 8]], "rank 2", "needs") == ((-1, 3), (5, 8))
+    with pytest.raises(MalformedMessageError, match=r"rank 2.*needs"):
+        parse_ranges([[0, 3], [2, 8]], "rank 2", "needs")
+
+
+@given(
+    st.sets(st.integers(-1, 40)),
+    st.lists(st.sets(st.integers(-1, 40)), max_size=4),
+)
+def test_minus_is_the_set_difference_without_expanding_ranks(wanted: set[int], taken: list[set[int]]) -> None:
+    got = minus(to_ranges(wanted), [to_ranges(t) for t in taken])
+    assert got == to_ranges(wanted - set().union(*taken))
 
 
 def test_real_holdings_after_a_node_loss_summarize_to_the_same_choice(tmp_path: Path) -> None:

@@ -1,11 +1,10 @@
-"""What each node's memory holds, and the restore every rank agrees on (spec/memory.md, MEM-11 and MEM-12).
+"""What each node's memory holds (spec/memory.md, MEM-11 and MEM-17).
 
 A checkpoint of a job spanning several nodes is one manifest whose files are spread over the nodes' slots;
 replicas put copies of a node's files on another node. A **holding** is one directory on one node with a
-committed manifest and some of the files it lists. At a restore every node's leader lists its holdings; the
-coordinator chooses, purely from those lists (:func:`complete`), the newest checkpoint whose every file is held
-somewhere, and which rank sends which missing file to which node (:func:`plan_transfers`): deterministic,
-spread over the holders, and by what a file is (checkpoint id and path), never by the rank that wrote it.
+committed manifest and some of the files it lists. At a restore each node's leader lists its own holdings
+(:func:`node_holdings`) and summarizes them (:mod:`.summary`); :func:`complete` is the file-by-file definition of a
+checkpoint held whole (MEM-11), which the summaries' choice never exceeds.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from ..manifest_parse import parse_manifest
 from ..paths import LOCK_NAME, MANIFEST_NAME
 from ..storage.slot import SlotStore
 from .binding import SlotBinding, normalize_run_url
-from .nodes import NodeMap
 from .ring import MemoryTier, private_dir_problem
 
 HoldingKind = Literal["slot", "peer", "fetched"]
@@ -32,7 +30,6 @@ PEER_PREFIX = "peer-"
 FETCH_PREFIX = "fetched-"
 _CHECKPOINT_ID = re.compile(r"sha256:[0-9a-f]{64}")
 _HOLDING_MEMBERS = ("node", "path", "kind", "checkpoint_id", "step", "files")
-_TRANSFER_MEMBERS = ("path", "size", "src", "source_dir", "dst")
 # the names ckptfmt/layout.py gives a rank's files
 _RANK_FILE = re.compile(r"r(?P<data>\d+)-\d+\.safetensors|context(?:\.r(?P<context>\d+))?\.msgpack")
 
@@ -56,17 +53,6 @@ class Holding:
             "checkpoint_id": self.checkpoint_id,
             "step": self.step,
             "files": dict(sorted(self.files.items())),
-        }
-
-    def to_summary(self) -> dict[str, object]:
-        """What ``ckpt ls`` shows of it: where, what kind, which step, how much."""
-        return {
-            "node": self.node,
-            "kind": self.kind,
-            "step": self.step,
-            "checkpoint_id": self.checkpoint_id,
-            "files": len(self.files),
-            "bytes": sum(self.files.values()),
         }
 
     @classmethod
@@ -227,69 +213,3 @@ def complete(holdings: Sequence[Holding], manifests: Mapping[str, bytes]) -> lis
         if all(held_files(manifest, holdings, holding.checkpoint_id).values()):
             found.add((holding.step, holding.checkpoint_id))
     return sorted(found, reverse=True)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Transfer:
-    """One file sent from a rank on a node that holds it (reading ``source_dir``) to a rank on a node that lacks it."""
-
-    path: str
-    size: int
-    src: int
-    source_dir: str
-    dst: int
-
-    def to_dict(self) -> dict[str, object]:
-        return {"path": self.path, "size": self.size, "src": self.src, "source_dir": self.source_dir, "dst": self.dst}
-
-    @classmethod
-    def from_dict(cls, doc: object, *, rank: int | None = None) -> Transfer:
-        """Parse a transfer of a plan ``rank`` sent; MalformedMessageError naming the member otherwise."""
-        who = _sender(rank)
-        record = _record(doc, _TRANSFER_MEMBERS, f"{who}: a transfer")
-        return cls(
-            path=_text(record, "path", who),
-            size=_count(record, "size", who),
-            src=_count(record, "src", who),
-            source_dir=_text(record, "source_dir", who),
-            dst=_count(record, "dst", who),
-        )
-
-
-def plan_transfers(
-    manifest: Manifest,
-    ckpt_id: str,
-    holdings: Sequence[Holding],
-    nodes: NodeMap,
-    needs: Sequence[Iterable[str]],
-) -> list[Transfer]:
-    """The files each node lacks for what its ranks will read (``needs``, by current rank), each from one holder.
-
-    A file goes to a node once (to one of its ranks, spread in turn), from a holder node chosen in turn among
-    those that have it, read there by one of that node's ranks in turn: nobody sends or receives everything.
-    """
-    where = held_files(manifest, holdings, ckpt_id)
-    sizes = {f.path: f.size for f in manifest.files}
-    transfers: list[Transfer] = []
-    turn = 0
-    for node in nodes.names:
-        ranks = nodes.ranks_of(node)
-        wanted = sorted({p for r in ranks for p in needs[r]} & set(sizes))
-        for path in wanted:
-            holders = sorted(where[path], key=lambda h: (h.node != node, h.kind != "slot", h.node, h.path))
-            if not holders or holders[0].node == node:
-                continue  # here already (or held nowhere: the coordinator chose a complete checkpoint)
-            remote = [h for h in holders if h.node != node]
-            holder = remote[turn % len(remote)]
-            senders = nodes.ranks_of(holder.node)
-            transfers.append(
-                Transfer(
-                    path=path,
-                    size=sizes[path],
-                    src=senders[turn % len(senders)],
-                    source_dir=holder.path,
-                    dst=ranks[turn % len(ranks)],
-                )
-            )
-            turn += 1
-    return transfers

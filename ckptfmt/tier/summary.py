@@ -83,12 +83,14 @@ class Completeness:
         return cls(
             checkpoint_id=check_checkpoint_id(doc["checkpoint_id"], who),
             step=step,
-            writers=_ranges(doc["writers"], who, "writers"),
-            held=_ranges(doc["held"], who, "held"),
+            writers=parse_ranges(doc["writers"], who, "writers"),
+            held=parse_ranges(doc["held"], who, "held"),
         )
 
 
-def _ranges(value: object, who: str, name: str) -> Ranges:
+def parse_ranges(value: object, who: str, name: str) -> Ranges:
+    """Ranges another rank (``who``) sent as member ``name``: a bounded list of sorted, disjoint ``[start, stop)``
+    pairs; MalformedMessageError naming both otherwise."""
     if not isinstance(value, list) or len(value) > MAX_RANGES:
         raise MalformedMessageError(f"{who}: summary member {name!r} is not a list of at most {MAX_RANGES} ranges")
     out: list[tuple[int, int]] = []
@@ -103,6 +105,29 @@ def _ranges(value: object, who: str, name: str) -> Ranges:
             raise MalformedMessageError(f"{who}: summary member {name!r} holds {str(item)[:40]}, not a sorted range")
         out.append((item[0], item[1]))
     return tuple(out)
+
+
+def minus(ranges: Ranges, taken: Iterable[Ranges]) -> Ranges:
+    """The ranks of ``ranges`` that no range of ``taken`` covers (in O(ranges), never rank by rank)."""
+    cuts = sorted(r for rs in taken for r in rs)
+    out: list[tuple[int, int]] = []
+    for start, stop in ranges:
+        at = start
+        for a, b in cuts:
+            if b <= at or a >= stop:
+                continue
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+        if at < stop:
+            out.append((at, stop))
+    merged: list[tuple[int, int]] = []
+    for a, b in out:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
 def rank_groups(manifest_bytes: bytes) -> dict[int, dict[str, int]]:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..tier.agreed import MemoryOption
+from ..tier.restore_messages import MemoryOption
 from .memory import MemoryCandidate
 
 Tier = Literal["memory", "peer", "durable", "healed"]

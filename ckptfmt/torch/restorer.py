@@ -299,7 +299,7 @@ class Restorer:
                 "read": round(read.seconds, 6),
                 "apply": round(total - self._agree_seconds - read.seconds - gather, 6),
             },
-            held=tuple(h.to_summary() for h in self._agreed.held) if self._agreed is not None else (),
+            held=tuple(self._agreed.held) if self._agreed is not None else (),
         )
 
     # ---------------------------------------------------------------- every rank together
