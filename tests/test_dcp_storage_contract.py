@@ -111,6 +111,26 @@ def test_only_tensors_round_trip(store_url: str, thread_count: int) -> None:
     assert equal(target, saved)
 
 
+@pytest.mark.parametrize(("local_ranks", "expected"), [("1", 2), ("2", 1), ("8", 1)])
+def test_the_default_thread_count_is_this_ranks_share_of_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_ranks: str, expected: int
+) -> None:
+    from ckptfmt import read_executor, writer
+
+    monkeypatch.setattr(read_executor, "usable_cores", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    seen: list[int] = []
+    real = writer.CheckpointWriter.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["workers"])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer.CheckpointWriter, "__init__", spy)
+    dcp.save(tensors(0), storage_writer=StorageWriter(tmp_path / "ck"), no_dist=True)
+    assert seen == [expected]
+
+
 @pytest.mark.parametrize("codec", [None, "zstd"])
 @pytest.mark.parametrize("thread_count", [1, 3])
 def test_tensors_and_a_statefuls_state_round_trip_and_the_reader_learns_the_codec(
