@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,3 +130,97 @@ def test_load_fresh_places_in_one_pass_and_a_damaged_checkpoint_still_raises(
     _flip_last_tensor(url / checkpoint_name(2))
     with pytest.raises(DigestMismatchError):
         load(url / checkpoint_name(2), **kwargs)
+
+
+# ---------------------------------------------------------------- two ranks (threads): the vote decides for both
+
+
+def _two_rank_run(tmp_path: Path) -> tuple[Path, Any, dict[int, dict[str, torch.Tensor]]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptfmt.collective import ThreadCollective
+
+    run = tmp_path / "run"
+    group = ThreadCollective.group(2)
+    built = [_built(0) for _ in range(2)]  # here, not in the threads: torch's global RNG is one for all
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 64) for _ in range(6)]
+
+    def save(rank: int) -> dict[int, dict[str, torch.Tensor]]:
+        model, opt = built[rank]
+        sampler = ResumableSampler(32, seed=0, rank=rank, world_size=2)
+        weights = {}
+        with CheckpointManager(run, keep_last=None, collective=group[rank]) as mgr:
+            for step in range(1, 7):
+                opt.zero_grad()
+                model(batches[step - 1]).square().mean().backward()
+                opt.step()
+                sampler.advance(2)
+                if step % 2 == 0:
+                    mgr.save(step, model=model, optimizer=opt, sampler=sampler, config={})
+                    weights[step] = _weights(model)
+        return weights
+
+    with ThreadPoolExecutor(2) as pool:
+        saved = list(pool.map(save, range(2)))
+    assert _same(saved[0][6], saved[1][6])
+    return run, group, saved[0]
+
+
+def _fresh_restores(run: Path, group: Any) -> list[object]:
+    """Each rank's restore_latest(fresh=True) into a model built afresh: its step and weights, or what it raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fresh = [_built(9) for _ in range(2)]
+
+    def restore(rank: int) -> object:
+        model, opt = fresh[rank]
+        mgr = CheckpointManager(run, collective=group[rank])
+        try:
+            step = mgr.restore_latest(
+                model=model, optimizer=opt, sampler=ResumableSampler(32, seed=0, rank=rank, world_size=2), fresh=True
+            )
+        except RestoreError as exc:
+            return exc
+        return step, _weights(model)
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(restore, range(2)))
+
+
+def _rank_1_refuses(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
+    """Rank 1 places a checkpoint of ``steps`` in its live tensors, then finds a bad byte (rank 0 finds none)."""
+    import threading
+
+    from ckptfmt.errors import DigestMismatchError
+    from ckptfmt.torch import in_place
+
+    real = in_place.fill_fresh
+
+    def fill(ckpt: Checkpoint, checked: Any) -> None:
+        real(ckpt, checked)
+        named = {checkpoint_name(s) for s in steps}
+        if threading.current_thread().name.endswith("_1") and ckpt.url.rstrip("/").rsplit("/", 1)[-1] in named:
+            raise DigestMismatchError("a bad byte this rank alone read", path=ckpt.url)
+
+    monkeypatch.setattr(in_place, "fill_fresh", fill)
+
+
+def test_on_two_ranks_a_checkpoint_one_rank_refuses_after_both_placed_it_is_overwritten_on_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, group, weights = _two_rank_run(tmp_path)
+    _rank_1_refuses(monkeypatch, {6})
+    for outcome in _fresh_restores(run, group):
+        assert isinstance(outcome, tuple), outcome
+        step, restored = outcome
+        assert step == 4 and _same(restored, weights[4])  # rank 0 had step 6 in place: all of it overwritten
+
+
+def test_on_two_ranks_when_one_rank_refuses_every_checkpoint_both_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, group, _ = _two_rank_run(tmp_path)
+    _rank_1_refuses(monkeypatch, {2, 4, 6})
+    outcomes = _fresh_restores(run, group)
+    assert all(isinstance(o, RestoreError) for o in outcomes), outcomes  # rank 0 read each whole, yet raises too
