@@ -1,0 +1,128 @@
+"""CPU-seconds per GiB of a save, a memory snapshot and a verify, against one xxh3 pass and one copy of the same
+bytes: how many passes over each byte each one costs (issue 44's "one pass per byte", before and after).
+
+    python bench/cpu_per_gib.py [--mib 1024] [--repeat 3] [--dir DIR] [--json FILE]
+
+One process, fp32 tensors of ``--mib`` MiB in all (16 tensors), on the local disk under ``--dir`` (default: a
+temporary directory under bench/out) and the memory tier in /dev/shm. CPU time is the process's (every thread:
+``time.process_time``), the median of ``--repeat``; the floors are measured in the same run on the same bytes:
+
+- ``xxh3``: one xxh3-128 pass over every byte (the digest ckptfmt writes), one thread;
+- ``copy``: one copy of every byte into memory that exists (what a snapshot's host copy is);
+- ``save``: ``ckptfmt.open_writer`` of the tensors, committed (O_DIRECT writes, block digests, the file digests);
+- ``snapshot``: ``CheckpointManager`` with the memory tier, one snapshot, waited for (copy, digests, slot write);
+- ``verify``: ``ckptfmt.verify`` of the saved checkpoint, its files in the page cache (the hashing alone).
+
+Each row also reads as "xxh3 passes": its CPU time over the xxh3 floor's. Figures depend on the machine; they go to
+docs/benchmarks.md with the command and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+import ckptfmt
+from ckptfmt.torch import CheckpointManager, MemoryOptions, ResumableSampler
+
+TENSORS = 16
+
+
+def cpu_seconds(work: Callable[[], object], repeat: int, before: Callable[[], None] | None = None) -> float:
+    """The median process CPU time of ``work`` (every thread of this process), ``before`` run untimed first."""
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        started = time.process_time()
+        work()
+        times.append(time.process_time() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    base = args.dir or Path(__file__).resolve().parent / "out"
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="cpu-per-gib-", dir=base))
+    memory = Path(tempfile.mkdtemp(prefix="cpu-per-gib-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    rng = np.random.default_rng(0)
+    n = args.mib * 2**20 // 4 // TENSORS
+    arrays = {f"t{i:02d}": rng.standard_normal(n, dtype=np.float32) for i in range(TENSORS)}
+    gib = sum(a.nbytes for a in arrays.values()) / 2**30
+    into = {k: np.empty_like(a) for k, a in arrays.items()}
+    try:
+        figures: dict[str, float] = {}
+        figures["xxh3"] = cpu_seconds(lambda: [xxhash.xxh3_128(a).digest() for a in arrays.values()], args.repeat)
+
+        def copy() -> None:
+            for name, array in arrays.items():
+                np.copyto(into[name], array)
+
+        figures["copy"] = cpu_seconds(copy, args.repeat)
+
+        saved = work / "ckpt"
+
+        def save() -> None:
+            with ckptfmt.open_writer(str(saved), profile="weights") as w:
+                for name, array in arrays.items():
+                    w.write_tensor("weights", name, array)
+                w.write_context("provenance", {"bench": "cpu_per_gib"})
+
+        figures["save"] = cpu_seconds(save, args.repeat, before=lambda: shutil.rmtree(saved, ignore_errors=True))
+        ckptfmt.verify(str(saved))  # its files now in the page cache: the verify below is hashing, not the disk
+        figures["verify"] = cpu_seconds(lambda: ckptfmt.verify(str(saved)), args.repeat)
+
+        model = torch.nn.Module()
+        for name, array in arrays.items():
+            model.register_parameter(name, torch.nn.Parameter(torch.from_numpy(array)))
+        mgr = CheckpointManager(
+            work / "run", memory=MemoryOptions(every=1, memory_dir=memory), preemption_signals=(), keep_last=None
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # stateless: the snapshot is the weights
+        sampler = ResumableSampler(10**6, seed=0)
+        step = [0]
+
+        def snapshot() -> None:
+            step[0] += 1
+            mgr.checkpoint_if_due(step[0], model=model, optimizer=optimizer, sampler=sampler, config={}, every=10**9)
+            mgr.wait_memory()
+
+        snapshot()  # the first one checks the memory directory's capacity: not what is measured
+        figures["snapshot"] = cpu_seconds(snapshot, args.repeat)
+        mgr.close(persist=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    floor = figures["xxh3"]
+    print(
+        f"{gib:.2f} GiB of fp32 tensors, {TENSORS} tensors; CPU seconds per GiB (every thread), median of {args.repeat}"
+    )
+    print()
+    print("| work | CPU s / GiB | xxh3 passes |")
+    print("| --- | --- | --- |")
+    for name in ("xxh3", "copy", "save", "snapshot", "verify"):
+        print(f"| {name} | {figures[name] / gib:.3f} | {figures[name] / floor:.2f} |")
+    if args.json:
+        report: dict[str, Any] = {"gib": gib, "cpu_s_per_gib": {k: v / gib for k, v in figures.items()}}
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
