@@ -122,7 +122,7 @@ def zipnn_codec(
 ) -> None:
     """ZipNN on fresh copies of the bytes: zipnn 0.5.4 rewrites the ``bytes`` object it is given in place (its byte
     grouping), so a buffer handed to it no longer holds its data afterwards."""
-    import zipnn  # type: ignore[import-untyped, unused-ignore]
+    import zipnn  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
     kind = "float32" if dtype == "F32" else "bfloat16"
     z = zipnn.ZipNN(bytearray_dtype=kind, delta_compressed_type="byte" if base is not None else 0)

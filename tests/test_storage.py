@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -463,3 +464,34 @@ def test_a_failed_write_is_a_storage_error_naming_the_file(tmp_path: Path) -> No
     with pytest.raises(StorageError) as info:
         LocalStore(tmp_path / "ckpt").create("f")
     assert info.value.path == "f"
+
+
+def test_a_file_removed_while_a_directory_is_listed_is_left_out_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer renames its temporary file into place between the directory's read and the entry's lstat (a
+    race CI met: ``cannot list: ... '.latest.json.tmp-...'``): the listing is of a moment just after."""
+    from ckptfmt.storage import local
+
+    (tmp_path / "kept").write_bytes(b"1")
+    (tmp_path / ".latest.json.tmp-1").write_bytes(b"2")
+    real = os.scandir
+
+    class Vanishing:
+        def __init__(self, fd: int) -> None:
+            self.it = real(fd)
+
+        def __enter__(self) -> Vanishing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self) -> Any:
+            for entry in self.it:
+                if entry.name.startswith(".latest.json.tmp"):
+                    os.unlink(tmp_path / entry.name)  # gone before its lstat
+                yield entry
+
+    monkeypatch.setattr(local.os, "scandir", Vanishing)
+    assert sorted(local.walk_lstat(tmp_path)) == ["kept"]

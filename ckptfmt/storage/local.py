@@ -287,9 +287,17 @@ def preadv_exact(fd: int, path: str, begin: int, views: Sequence[memoryview]) ->
 
 
 def scan_dir(dir_fd: int) -> builtins.list[tuple[str, os.stat_result]]:
-    """(name, lstat) of every entry of an open directory."""
+    """(name, lstat) of every entry of an open directory. An entry removed between the directory's read and its
+    lstat (another writer's temporary file renamed into place) is not listed: it is gone, as if listed a moment
+    later, where before it failed the listing."""
+    out: builtins.list[tuple[str, os.stat_result]] = []
     with os.scandir(dir_fd) as it:
-        return [(entry.name, entry.stat(follow_symlinks=False)) for entry in it]
+        for entry in it:
+            try:
+                out.append((entry.name, entry.stat(follow_symlinks=False)))
+            except FileNotFoundError:
+                continue
+    return out
 
 
 def lstat_children(directory: str | os.PathLike[str]) -> builtins.list[tuple[str, os.stat_result]]:
