@@ -108,7 +108,8 @@ def parse_ranges(value: object, who: str, name: str) -> Ranges:
 
 
 def minus(ranges: Ranges, taken: Iterable[Ranges]) -> Ranges:
-    """The ranks of ``ranges`` that no range of ``taken`` covers (in O(ranges), never rank by rank)."""
+    """The ranks of ``ranges`` that no range of ``taken`` covers, range by range (O(ranges x cuts), never rank by
+    rank)."""
     cuts = sorted(r for rs in taken for r in rs)
     out: list[tuple[int, int]] = []
     for start, stop in ranges:
