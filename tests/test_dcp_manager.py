@@ -161,6 +161,22 @@ def test_entries_the_manager_could_not_put_back_are_refused_naming_them() -> Non
         training_state({**t.states(), "epoch": 3}, model=t.model, optimizer=t.optimizer)
 
 
+def test_the_data_loader_is_not_asked_for_its_state_when_the_state_is_built() -> None:
+    """A fresh torchdata StatefulDataLoader's state_dict() changes its next epoch's order: building the state must
+    not call it (the save does, when it takes the data position)."""
+    t = build(7)
+    calls = []
+    real = t.loader.state_dict
+
+    def spy() -> dict[str, Any]:
+        calls.append(1)
+        return real()
+
+    t.loader.state_dict = spy  # type: ignore[method-assign]
+    state = training_state(t.states(), model=t.model, optimizer=t.optimizer)
+    assert state.loader is t.loader and calls == []
+
+
 def test_a_name_that_is_no_field_name_is_refused_before_anything_is_saved(tmp_path: Path) -> None:
     t = build(7)
     mgr = CheckpointManager(tmp_path / "run")

@@ -69,6 +69,11 @@ def training_state(
     for key, value in states.items():
         if value is model or value is optimizer:
             continue
+        if key == data:  # not asked for its state here: a fresh torchdata loader's state_dict() reshuffles its epoch
+            if not isinstance(value, Stateful):
+                raise UsageError(f"DCP state entry {key!r} is the data position but has no state_dict()")
+            loader = value
+            continue
         content = value.state_dict() if isinstance(value, Stateful) else value
         tensors = list(_tensors(content))
         if tensors or _is_optimizer_state(content):  # an optimizer's holds no tensor before its first step
@@ -80,11 +85,7 @@ def training_state(
                     tensor=f"{key}.{foreign[0]}",
                 )
             continue  # the model's or the optimizer's state, saved through them
-        if key == data:
-            if not isinstance(value, Stateful):
-                raise UsageError(f"DCP state entry {key!r} is the data position but has no state_dict()")
-            loader = value
-        elif isinstance(value, Stateful):
+        if isinstance(value, Stateful):
             stateful[key] = value
         elif isinstance(value, MutableMapping):
             stateful[key] = _DictState(value)
