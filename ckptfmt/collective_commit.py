@@ -18,9 +18,11 @@ Call sequence, every rank of ``collective`` together (the style of DCP's ``Stora
      the same error. On a failure the coordinator deletes every file a rank reported, and its lock; a rank that
      reported never deletes (COM-19). A coordinator whose exchange fails after its manifest is durable has
      committed (COM-20).
-   - Several stores (:class:`SpreadCommit`): the coordinator merges every report into the manifest; each leader
-     checks its own store's files and writes that manifest there; every rank learns whether every store holds it
-     (COM-24). A failure before the merge: each rank deletes its own files, each leader its lock.
+   - Several stores (:class:`SpreadCommit`): each rank reports to its store's leader, which checks its store's
+     files against its ranks' reports and passes them on as one message (:mod:`~ckptfmt.store_reports`); the
+     coordinator merges every store's reports into the manifest; each leader writes that manifest in its store;
+     every rank learns whether every store holds it (COM-24). A failure before the merge: each rank deletes its
+     own files, each leader its lock.
 
 :func:`start_commit` chooses a writer's role once: :class:`SoloCommit` (one rank, nothing exchanged),
 :class:`CollectiveCommit` or :class:`SpreadCommit`. ``tier.persist.persist_spread`` is the second caller: its
@@ -34,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .bases import check_bases_still_there
-from .collective import Collective, decode_status, encode_status
+from .collective import Collective, PeerChannel, decode_status, encode_status
 from .commit import Committer
 from .decide import decide
 from .digests import algorithm_of, digest_of
@@ -48,10 +50,11 @@ from .errors import (
     UsageError,
     error_from_dict,
 )
-from .manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest
 from .manifest_parse import parse_manifest
 from .plan import RankResult, merge_results
 from .storage import Store
+from .store_reports import leader_of, ranks_of_store, read_store_parts, receive_reports, send_to_leader, store_part
 
 log = logging.getLogger("ckptfmt")
 
@@ -209,6 +212,7 @@ class SpreadCommit(CollectiveCommit):
         self.store_of_rank = tuple(store_of_rank)
         self.profile = profile
         self.metadata = dict(metadata)
+        self._store_results: list[RankResult] = []  # on a leader: its store's ranks' records, checked (COM-21)
 
     def _started(self, error: CheckpointError | None) -> None:
         """Several stores: every leader took a lock; the first failure fails every rank."""
@@ -216,8 +220,10 @@ class SpreadCommit(CollectiveCommit):
 
     def commit(self, report: object, *, written: Sequence[str]) -> str:
         try:
-            merged = decide(self.collective, report, self._merge, what=self.what, max_size=self.max_size)
-            manifest, files = _parse_merged(merged)
+            merged = decide(
+                self.collective, self._part(report), self._merge, what=self.what, max_size=2 * self.max_size
+            )
+            manifest = _parse_merged(merged)
         except BaseException:
             # nothing was committed anywhere: each rank deletes its own files, each leader its lock
             self._delete_own(written)
@@ -227,10 +233,8 @@ class SpreadCommit(CollectiveCommit):
         if self._committer is not None:
             committer, self._committer = self._committer, None
             try:
-                mine = self.store_of_rank[self.collective.rank]
-                local = [_files_of(r, files) for r, s in enumerate(self.store_of_rank) if s == mine]
-                check_visible(self.store, local, leader=self.collective.rank)
-                paths = [f.path for r in local for f in r.files]
+                # this store's files, checked by this leader before the merge (_part)
+                paths = [f.path for r in self._store_results for f in r.files]
                 # A file of this checkpoint that another store holds now, left here by an earlier save with another
                 # placement (MEM-9): the manifest lists it, at its size, but its bytes are stale. Deleted before the
                 # commit, so that no reader of this store ever counts it.
@@ -252,9 +256,35 @@ class SpreadCommit(CollectiveCommit):
             raise CollectiveError(f"the stores committed different manifests: {outcome!r} and {committed!r}")
         return outcome
 
+    def _part(self, report: object) -> object:
+        """This rank's contribution to the one gather (module :mod:`~ckptfmt.store_reports`): a rank that does not
+        lead sends its report to its leader and contributes nothing (or the error it met); a leader contributes its
+        store's reports, once it has read them and checked its store's files against them (COM-21, per store)."""
+        rank = self.collective.rank
+        leader = leader_of(self.store_of_rank, rank)
+        channel = self.collective
+        assert isinstance(channel, PeerChannel)  # start_commit checked
+        if rank != leader:
+            return send_to_leader(channel, report, leader=leader)
+        try:
+            others = [r for r in ranks_of_store(self.store_of_rank, rank) if r != rank]
+            reports = {rank: report, **receive_reports(channel, others, max_size=self.max_size)}
+            results = read_reports_of(reports)
+            check_visible(self.store, results, leader=rank)
+        except CheckpointError as exc:
+            return exc
+        self._store_results = results
+        return store_part(reports)
+
     def fail(self, error: CheckpointError, *, written: Sequence[str]) -> None:
         try:
-            decide(self.collective, failed_report(error), self._merge, what=self.what, max_size=self.max_size)
+            decide(
+                self.collective,
+                self._part(failed_report(error)),
+                self._merge,
+                what=self.what,
+                max_size=2 * self.max_size,
+            )
         except CheckpointError:
             pass  # the save is failing anyway; the caller raises its own error
         self._delete_own(written)
@@ -265,18 +295,17 @@ class SpreadCommit(CollectiveCommit):
         else:
             _delete(self.store, written)
 
-    def _merge(self, reports: Sequence[Any]) -> dict[str, object]:
-        """On the coordinator: the manifest every store's leader commits, and each rank's files (so that a leader
-        checks its own store's: COM-21 applies per store). Nothing is committed here."""
+    def _merge(self, parts: Sequence[Any]) -> dict[str, object]:
+        """On the coordinator: the manifest every store's leader commits, from the stores' parts. Nothing is
+        committed here."""
         try:
-            results = read_reports(reports, [])
+            results = read_reports(read_store_parts(parts, self.store_of_rank), [])
             manifest = merge_results(results, profile=self.profile, metadata=self.metadata)
         except CheckpointError:
             raise
         except Exception as exc:  # every rank waits for an answer: whatever fails here, they get one
             raise CollectiveError(f"the coordinator failed to merge: {exc!r}") from exc
-        files = {str(r.rank): [f.to_dict() for f in r.files] for r in results}
-        return {"manifest": manifest.to_bytes().decode("utf-8"), "files": files}
+        return {"manifest": manifest.to_bytes().decode("utf-8")}
 
 
 # ------------------------------------------------------------ the writer's commit
@@ -348,6 +377,11 @@ def start_commit(
         committer = Committer(store, overwrite=overwrite, bases=bases, before_replace=before_replace)
         return SoloCommit(store, committer, profile=profile, metadata=metadata)
     what = f"the save of {store.url}"
+    if store_of_rank is not None and not isinstance(collective, PeerChannel):
+        raise UsageError(
+            "a save over several stores sends each rank's report to its store's leader: its collective must also "
+            "be a PeerChannel (send and recv), as ckptfmt.torch's and ThreadCollective are"
+        )
     if store_of_rank is None:
         return CollectiveCommit.start(
             store,
@@ -362,7 +396,7 @@ def start_commit(
     return SpreadCommit.start(
         store,
         collective,
-        leader=store_of_rank.index(store_of_rank[collective.rank]) == collective.rank,
+        leader=leader_of(store_of_rank, collective.rank) == collective.rank,
         overwrite=overwrite,
         bases=bases,
         before_replace=before_replace,
@@ -410,6 +444,17 @@ def read_reports(reports: Sequence[Any], reported: list[str]) -> list[RankResult
     reported.extend(f.path for r in results for f in r.files)
     if error is not None:
         raise error
+    return results
+
+
+def read_reports_of(reports: Mapping[int, object]) -> list[RankResult]:
+    """:func:`read_reports` of some ranks' reports (a store's), by rank; the first failure raised, naming its rank."""
+    results: list[RankResult] = []
+    for rank in sorted(reports):
+        try:
+            results.append(rank_result(rank, reports[rank]))
+        except CheckpointError as exc:
+            raise exc.locate(path=f"rank {rank}") from None
     return results
 
 
@@ -486,25 +531,10 @@ def _one_id(values: Sequence[Any]) -> str:
     return ids.pop()
 
 
-def _parse_merged(merged: object) -> tuple[Manifest, object]:
+def _parse_merged(merged: object) -> Manifest:
     if not isinstance(merged, dict) or not isinstance(merged.get("manifest"), str):
         raise MalformedMessageError(f"rank {COORDINATOR} sent a malformed merged manifest")
-    return parse_manifest(merged["manifest"].encode("utf-8")), merged.get("files")
-
-
-def _files_of(rank: int, files: object) -> RankResult:
-    """A rank's file records from the coordinator's merged decision."""
-    if not isinstance(files, dict) or not isinstance(files.get(str(rank)), list):
-        raise CollectiveError(f"the coordinator sent no file list for rank {rank}")
-    try:
-        return RankResult(
-            rank=rank,
-            files=tuple(
-                FileRecord(path=str(f["path"]), size=int(f["size"]), digest=str(f["digest"])) for f in files[str(rank)]
-            ),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise MalformedMessageError(f"the coordinator sent a malformed file list for rank {rank}") from exc
+    return parse_manifest(merged["manifest"].encode("utf-8"))
 
 
 def _delete(store: Store, paths: Iterable[str]) -> None:
