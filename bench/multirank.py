@@ -40,10 +40,25 @@ def tensor_bytes(ckpt: Any) -> int:
     return sum(c.nbytes for f in ckpt.fields.values() for t in f.tensors.values() for c in t.chunks)
 
 
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def local(value: Any) -> Any:
+    """A DTensor's shard on this rank (contiguous, as safetensors takes it); any other tensor as it is."""
+    shard = value.to_local() if hasattr(value, "to_local") else value
+    return shard.detach().contiguous()
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -109,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
         for i in range(args.repeat):
             url = out / f"ckptfmt-{world}-{i}"
             dcp_dir = out / f"dcp-{world}-{i}"
+            st_dir = out / f"safetensors-{world}-{i}"
 
             def ckptfmt_save() -> None:
                 ct.save(url, step=1, model=model, optimizer=optimizer, config=config, sampler=sampler)
@@ -117,6 +133,19 @@ def worker(args: argparse.Namespace) -> None:
                 msd, osd = get_state_dict(model, optimizer)
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir))
 
+            def safetensors_save() -> None:
+                # each rank's own shards in one file of its own, then fsync: the plain-format floor
+                msd, osd = get_state_dict(model, optimizer)
+                flat = {f"model.{k}": local(v) for k, v in msd.items()}
+                states: dict[str, Any] = osd["state"]  # type: ignore[assignment]
+                for param, state in states.items():
+                    flat.update({f"optim.{param}.{k}": local(v) for k, v in state.items() if torch.is_tensor(v)})
+                st_dir.mkdir(parents=True, exist_ok=True)
+                path = st_dir / f"rank{rank:05d}.safetensors"
+                save_file(flat, str(path))
+                fsync_path(path)
+                fsync_path(st_dir)
+
             def ckptfmt_load() -> None:
                 ct.load(url, model=model, optimizer=optimizer, config=config, sampler=sampler)
 
@@ -124,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
                 dcp_restore(model, optimizer, dcp_dir)
 
             # the order alternates each repetition, so neither side always runs first
-            saves = [("ckptfmt_save", ckptfmt_save), ("dcp_save", dcp_save)]
+            saves = [("ckptfmt_save", ckptfmt_save), ("dcp_save", dcp_save), ("safetensors_save", safetensors_save)]
             loads = [("ckptfmt_load", ckptfmt_load, url), ("dcp_load", dcp_load, dcp_dir)]
             for key, fn in saves if i % 2 == 0 else saves[::-1]:
                 result.setdefault(key, []).append(timed(fn))
@@ -214,6 +243,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # a step takes as long as its slowest rank: the max over ranks of each repetition, then the median
         slowest = {k: [max(r[k][i] for r in rows) for i in range(args.repeat)] for k in rows[0]}
         report["worlds"][str(world)] = {k: statistics.median(v) for k, v in slowest.items()}
+        report["worlds"][str(world)]["save_ratios"] = _ratios(slowest["dcp_save"], slowest["ckptfmt_save"])
+        report["worlds"][str(world)]["safetensors_save_ratios"] = _ratios(
+            slowest["safetensors_save"], slowest["ckptfmt_save"]
+        )
         report["worlds"][str(world)]["load_ratios"] = _ratios(slowest["dcp_load"], slowest["ckptfmt_load"])
         report["worlds"][str(world)]["restart_ratios"] = _ratios(slowest["dcp_restart"], slowest["ckptfmt_restart"])
     for world in (3, 2):
@@ -264,6 +297,18 @@ def print_tables(report: dict[str, Any]) -> None:
         print(
             f"| {world} | {save:.2f} s | {dsave:.2f} s | {dsave / save:.2f} | {load:.2f} s | {dload:.2f} s "
             f"| {dload / load:.2f} | {_spread(m['load_ratios'])} |"
+        )
+    print()
+    print("Durable saves: DCP (its writer fsyncs) and each rank's shards through safetensors.save_file + fsync")
+    print()
+    print("| ranks | ckptfmt | DCP | DCP / ckptfmt (per repetition) | safetensors | safetensors / ckptfmt (per rep.) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for world, m in report["worlds"].items():
+        save, dsave, ssave = (m[k] for k in ("ckptfmt_save", "dcp_save", "safetensors_save"))
+        print(
+            f"| {world} | {save:.3f} s | {dsave:.3f} s | {statistics.median(m['save_ratios']):.2f} "
+            f"({_spread(m['save_ratios'])}) | {ssave:.3f} s | {statistics.median(m['safetensors_save_ratios']):.2f} "
+            f"({_spread(m['safetensors_save_ratios'])}) |"
         )
     print()
     print("Loaded by a restart: into a fresh model and an optimizer with no state yet (built before the clock starts)")

@@ -7,9 +7,12 @@ viewed through numpy, bf16/fp8 reinterpreted bit for bit (numpy has no such dtyp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .lazy_import import numpy as np
 
 from . import dtypes
 from .errors import DTypeError

@@ -15,9 +15,12 @@ import itertools
 from bisect import bisect_left
 from collections.abc import Sequence
 from math import prod
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .lazy_import import numpy as np
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 

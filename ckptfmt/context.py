@@ -8,10 +8,14 @@ can throw becomes a :class:`ContextError` naming the file.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import numpy as np
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .lazy_import import numpy as np
 
 from . import dtypes
 from .errors import CheckpointError, ContextError

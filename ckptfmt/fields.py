@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .lazy_import import numpy as np
 
 from .canonical import config_hash
 from .errors import ConfigHashMismatchError, ContextError

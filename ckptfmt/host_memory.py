@@ -22,11 +22,14 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .arrays import byte_view
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .lazy_import import numpy as np
 
 MADV_POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 MIN_MAPPED = 1 << 20  # smaller arrays come from the allocator: a mapping each would cost more than it saves
@@ -104,6 +107,10 @@ def aligned(nbytes: int) -> memoryview:
     backed, where a new mapping's first touches fault."""
     if nbytes < mmap.PAGESIZE:
         return memoryview(bytearray(nbytes))  # one page or less: the copy is too short for its alignment to matter
+    if "numpy" not in sys.modules:
+        # A process that holds no array (``ckpt verify``) does not import numpy for a buffer: a mapping of its own
+        # is aligned, and its first touches are paid once, as the executor keeps its scan buffers.
+        return memoryview(mmap.mmap(-1, nbytes))
     raw = np.empty(nbytes + mmap.PAGESIZE, dtype=np.uint8)
     skip = -raw.ctypes.data % mmap.PAGESIZE
     return byte_view(raw[skip : skip + nbytes])  # the view keeps ``raw`` alive

@@ -13,8 +13,6 @@ import json
 import re
 from typing import Any
 
-import numpy as np
-
 from .errors import CheckpointError
 
 MAX_DEPTH = 64  # arrays and objects nested deeper than this are refused before parsing
@@ -35,12 +33,24 @@ def json_nesting_problem(data: bytes, max_depth: int = MAX_DEPTH) -> str | None:
     if long_int is not None:
         return f"JSON integer literal of {len(long_int.group())} digits (at most {MAX_INT_DIGITS})"
     brackets = bare.translate(_BRACKET_STEPS, delete=_NOT_BRACKETS)
-    if len(brackets) > max_depth:
-        steps = np.frombuffer(brackets, dtype=np.uint8).astype(np.int8)
-        depth = np.cumsum(np.where(steps == 1, 1, -1), dtype=np.int64)
-        if depth.size and int(depth.max()) > max_depth:
-            return f"JSON nests deeper than {max_depth} levels"
+    if len(brackets) > max_depth and _depth_over(brackets, max_depth):
+        return f"JSON nests deeper than {max_depth} levels"
     return None
+
+
+def _depth_over(brackets: bytes, max_depth: int) -> bool:
+    """Whether a string of openers (1) and closers (2) nests deeper than ``max_depth``, in at most
+    ``max_depth + 1`` passes in C (no numpy: a short command's start should not import it).
+
+    Each pass removes every innermost pair (an opener right before a closer); a pair whose children were removed
+    becomes innermost in the next pass, so balanced brackets vanish in as many passes as they nest deep. What is
+    left of unbalanced ones (closers, then openers) nests the parser one level deeper per opener left."""
+    for passes in range(max_depth + 1):
+        fewer = brackets.replace(b"\x01\x02", b"")
+        if len(fewer) == len(brackets):
+            return passes + fewer.count(b"\x01") > max_depth
+        brackets = fewer
+    return True
 
 
 def load_json(

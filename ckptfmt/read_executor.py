@@ -24,9 +24,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from .lazy_import import numpy as np
 
 from . import dtypes, host_memory
 from .arrays import byte_view
@@ -44,7 +47,7 @@ SCAN_BYTES = 8 << 20  # the unit of a streaming scan (verification): one buffer 
 # optimizer's step counts between its moments) instead of starting a new stream: the disk's readahead is there.
 CHECK_GAP = 1 << 20
 SCANS_AHEAD = 8  # read-ahead threads: one per scan running at once (verify streams 4 files at a time)
-_BITS: dict[int, np.dtype[Any]] = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
+_BITS: dict[int, str] = {n: f"u{n}" for n in (1, 2, 4, 8)}
 
 
 @dataclass(slots=True)
@@ -413,7 +416,7 @@ def _copy(piece: Piece, raw: memoryview, array: np.ndarray[Any, Any]) -> None:
     if 0 in size:
         return
     # By bit pattern: as_strided does not take every dtype (ml_dtypes' floats among them), and a copy is a copy.
-    bits = _BITS.get(itemsize) or np.dtype(f"V{itemsize}")
+    bits = np.dtype(_BITS.get(itemsize) or f"V{itemsize}")
     flat = np.frombuffer(raw, dtype=bits, offset=start, count=(len(raw) - start) // itemsize)
     box = np.lib.stride_tricks.as_strided(flat, shape=size, strides=strides, writeable=False)
     array.view(bits)[piece.dest] = box

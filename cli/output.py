@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -10,7 +11,6 @@ from types import TracebackType
 from typing import Any
 
 import click
-import numpy as np
 
 # Python refuses str() of an int of more than 4,300 digits (ValueError; quadratic time below that), and a
 # context may hold a bigint of any size (CTX-11): larger ones are shown by their size, as ckptfmt.description
@@ -33,11 +33,12 @@ def jsonable(value: object) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
+    numpy = sys.modules.get("numpy")  # an array exists only once numpy is imported: a command never imports it here
+    if numpy is not None and isinstance(value, numpy.ndarray):
         return f"<ndarray {value.dtype} {list(value.shape)}>"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return f"<{len(bytes(value))} bytes>"
-    if isinstance(value, float) and not np.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
 

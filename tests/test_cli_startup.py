@@ -7,6 +7,7 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 from ckptfmt.cli.app import COMMANDS, cli
@@ -53,3 +54,20 @@ def test_the_function_verify_is_not_shadowed_by_the_module_of_that_name() -> Non
     loaded = _modules_after("import ckptfmt.verify\nimport ckptfmt\nassert callable(ckptfmt.verify), ckptfmt.verify")
     assert "ckptfmt.verify" in loaded
     assert callable(ckptfmt.verify) and ckptfmt.verify.__module__ == "ckptfmt.entry"
+
+
+def test_ckpt_verify_of_a_weights_checkpoint_never_imports_numpy(tmp_path: Path) -> None:
+    """numpy (with ml_dtypes) was more than a third of ``ckpt verify``'s start: a verify holds no array, so the
+    modules it runs import numpy only on first use (``ckptfmt.lazy_import``)."""
+    import numpy as np
+
+    url = str(tmp_path / "ckpt")
+    with ckptfmt.open_writer(url, "weights") as writer:
+        writer.write_tensor("weights", "w", np.arange(3 << 20, dtype=np.float32).reshape(3, 1 << 20))  # 12 MiB
+        writer.write_tensor("weights", "b", np.ones(7, dtype=np.float16))
+    loaded = _modules_after(
+        f"from ckptfmt.cli import cli\ntry:\n    cli.main(['verify', {url!r}])\nexcept SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code"
+    )
+    assert "ckptfmt.verify" in loaded and "ckptfmt.reader" in loaded
+    assert "numpy" not in loaded and "ml_dtypes" not in loaded

@@ -20,10 +20,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import zstandard
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from ..lazy_import import numpy as np
 
 from ..errors import IntegrityError, ManifestError, UsageError
 from ..manifest import Codec
