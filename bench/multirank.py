@@ -32,20 +32,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ranks  # bench/ is not a package
-from ranks import evict, settle
+from ranks import evict, fsync_path, settle
 
 
 def tensor_bytes(ckpt: Any) -> int:
     """The checkpoint's tensor bytes as stored: what ``bytes_read`` counts when every chunk is read once."""
     return sum(c.nbytes for f in ckpt.fields.values() for t in f.tensors.values() for c in t.chunks)
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def local(value: Any) -> Any:

@@ -29,6 +29,15 @@ def evict(path: Path) -> None:
                 os.close(fd)
 
 
+def fsync_path(path: Path) -> None:
+    """Make a file, or a directory's entries, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def settle() -> None:
     """Let the disk finish what earlier saves left it (a virtual disk's host may still be writing back after the
     guest's fsync), so a load is not timed against another save's writeback: sync, then a second of quiet."""

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ranks import settle  # bench/ is not a package
+from ranks import fsync_path, settle  # bench/ is not a package
 
 # yappi function-name fragments (module path or name) -> phase
 PHASES: dict[str, tuple[str, ...]] = {
@@ -44,14 +44,6 @@ PHASES: dict[str, tuple[str, ...]] = {
     "provenance": ("provenance.py",),
     "manifest + commit": ("plan.py", "canonical.py", "commit.py", "manifest.py", "manifest_parse.py"),
 }
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def build(mib: int) -> tuple[Any, Any]:
