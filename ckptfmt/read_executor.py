@@ -343,7 +343,6 @@ class ReadExecutor:
                 self._ahead = ThreadPoolExecutor(max_workers=SCANS_AHEAD, thread_name_prefix="ckptfmt-scan")
             return self._ahead
 
-
     def _finish(self, live: _Live, verify: bool) -> None:
         """A piece whose bytes have all arrived: check them, then decode or copy them into the target."""
         piece, chunk = live.piece, live.piece.chunk

@@ -72,7 +72,9 @@ class BaseChunk:
         path, key, span, digest, codec = (doc.get(k) for k in ("path", "key", "range", "digest", "codec"))
         if type(path) is not str or type(key) is not str:
             raise _malformed("'chunk' needs a string 'path' and a string 'key'")
-        if type(span) is not list or len(span) != 2 or not all(type(v) is int for v in span) or not 0 <= span[0] <= span[1]:
+        if not isinstance(span, list) or len(span) != 2 or not all(type(v) is int for v in span):
+            raise _malformed(f"'chunk' 'range' must be two integers 0 <= begin <= end, got {span!r}")
+        if not 0 <= span[0] <= span[1]:
             raise _malformed(f"'chunk' 'range' must be two integers 0 <= begin <= end, got {span!r}")
         if parse_digest(digest) is None:
             raise _malformed(f"'chunk' 'digest' {digest!r} is not a digest string (DIG-2)")
@@ -136,8 +138,9 @@ class XorConfiguration:
     def check(self, *, stored_size: int, raw_size: int) -> None:
         """The frames against the chunk's sizes (COD-4), and every base chunk of the chain against the raw size:
         a base chunk decodes to exactly the chunk's raw bytes, by a codec this reader implements (DLT-1)."""
+        levels = [config for _, config in self.chain()]  # every level parsed, the depth bounded, before any size
         self.frames.check(stored_size=stored_size, raw_size=raw_size)
-        for _, config in self.chain():
+        for config in levels:
             base = config.chunk
             name = base.codec.name
             if name == RAW:
@@ -150,7 +153,9 @@ class XorConfiguration:
             else:
                 from . import get_codec  # (the registry imports this module)
 
-                get_codec(name).plan_frames(base.codec, stored_size=base.nbytes, raw_size=raw_size, raw_begin=0, raw_end=0)
+                get_codec(name).plan_frames(
+                    base.codec, stored_size=base.nbytes, raw_size=raw_size, raw_begin=0, raw_end=0
+                )
 
 
 _ZSTD_MEMBERS = frozenset(ZstdConfiguration.__dataclass_fields__)
@@ -207,7 +212,9 @@ class XorZstdCodec:
         config = XorConfiguration.from_dict(codec.configuration)
         config.check(stored_size=stored_size, raw_size=raw_size)
         inner = Codec(name="zstd", configuration=config.frames.to_dict())
-        span = _ZSTD.plan_frames(inner, stored_size=stored_size, raw_size=raw_size, raw_begin=raw_begin, raw_end=raw_end)
+        span = _ZSTD.plan_frames(
+            inner, stored_size=stored_size, raw_size=raw_size, raw_begin=raw_begin, raw_end=raw_end
+        )
         return FrameSpan(
             stored_begin=span.stored_begin,
             stored_end=span.stored_end,
@@ -231,4 +238,13 @@ class XorZstdCodec:
         _ZSTD.decode_into(codec, stored, inner, out, itemsize=itemsize)
 
 
-__all__ = ["MAX_DEPTH", "NAME", "BaseChunk", "DeltaSource", "XorConfiguration", "XorOptions", "XorZstdCodec", "xor_into"]
+__all__ = [
+    "MAX_DEPTH",
+    "NAME",
+    "BaseChunk",
+    "DeltaSource",
+    "XorConfiguration",
+    "XorOptions",
+    "XorZstdCodec",
+    "xor_into",
+]
