@@ -693,7 +693,7 @@ VALID: tuple[Valid, ...] = (
     ),
     Valid(
         "delta",
-        ("DLT-1", "DLT-2", "DLT-4", "DLT-5", "DLT-7"),
+        ("DLT-1", "DLT-2", "DLT-4", "DLT-5"),
         "Three checkpoints: step-1 in zstd, step-2 with xor-zstd against step-1, this one with xor-zstd against "
         "step-2 (hint codec): w (F32) and h (BF16) are delta chunks of depth 2 (XOR with step-2's chunks, themselves "
         "XORs with step-1's zstd chunks), k unchanged (a delta of zeros); format_version 1.3.",

@@ -34,8 +34,7 @@ _CHUNK = frozenset({"path", "key", "range", "digest", "codec"})
 _ZSTD = ZstdCodec()
 
 
-def _malformed(message: str) -> ManifestError:
-    return ManifestError(f"xor-zstd configuration: {message}", requirement="DLT-1")
+_WHAT = "xor-zstd configuration: "
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,27 +64,37 @@ class BaseChunk:
     @classmethod
     def from_dict(cls, doc: object) -> BaseChunk:
         if not isinstance(doc, Mapping):
-            raise _malformed("'chunk' must be an object")
+            raise ManifestError(_WHAT + "'chunk' must be an object", requirement="DLT-1")
         unknown = sorted(set(doc) - _CHUNK)
         if unknown:
-            raise _malformed(f"'chunk' has members this reader does not know: {unknown}")
+            raise ManifestError(
+                _WHAT + f"'chunk' has members this reader does not know: {unknown}", requirement="DLT-1"
+            )
         path, key, span, digest, codec = (doc.get(k) for k in ("path", "key", "range", "digest", "codec"))
         if type(path) is not str or type(key) is not str:
-            raise _malformed("'chunk' needs a string 'path' and a string 'key'")
+            raise ManifestError(_WHAT + "'chunk' needs a string 'path' and a string 'key'", requirement="DLT-1")
         if not isinstance(span, list) or len(span) != 2 or not all(type(v) is int for v in span):
-            raise _malformed(f"'chunk' 'range' must be two integers 0 <= begin <= end, got {span!r}")
+            raise ManifestError(
+                _WHAT + f"'chunk' 'range' must be two integers 0 <= begin <= end, got {span!r}", requirement="DLT-1"
+            )
         if not 0 <= span[0] <= span[1]:
-            raise _malformed(f"'chunk' 'range' must be two integers 0 <= begin <= end, got {span!r}")
+            raise ManifestError(
+                _WHAT + f"'chunk' 'range' must be two integers 0 <= begin <= end, got {span!r}", requirement="DLT-1"
+            )
         if parse_digest(digest) is None:
-            raise _malformed(f"'chunk' 'digest' {digest!r} is not a digest string (DIG-2)")
+            raise ManifestError(
+                _WHAT + f"'chunk' 'digest' {digest!r} is not a digest string (DIG-2)", requirement="DLT-1"
+            )
         if not isinstance(codec, Mapping) or type(codec.get("name")) is not str:
-            raise _malformed("'chunk' 'codec' must be an object with a string 'name'")
+            raise ManifestError(_WHAT + "'chunk' 'codec' must be an object with a string 'name'", requirement="DLT-1")
         configuration = codec.get("configuration")
         if configuration is not None and not isinstance(configuration, Mapping):
-            raise _malformed("'chunk' 'codec' 'configuration' must be an object")
+            raise ManifestError(_WHAT + "'chunk' 'codec' 'configuration' must be an object", requirement="DLT-1")
         unknown = sorted(set(codec) - {"name", "configuration"})
         if unknown:
-            raise _malformed(f"'chunk' 'codec' has members this reader does not know: {unknown}")
+            raise ManifestError(
+                _WHAT + f"'chunk' 'codec' has members this reader does not know: {unknown}", requirement="DLT-1"
+            )
         assert isinstance(digest, str)
         as_dict: CodecDict = {"name": codec["name"]}
         if configuration is not None:
@@ -107,13 +116,13 @@ class XorConfiguration:
     @classmethod
     def from_dict(cls, config: Mapping[str, object] | None) -> XorConfiguration:
         if config is None:
-            raise _malformed("it is absent")
+            raise ManifestError(_WHAT + "it is absent", requirement="DLT-1")
         unknown = sorted(set(config) - _OWN - _ZSTD_MEMBERS)
         if unknown:  # every member changes how bytes decode: one not understood is refused (as COD-4)
-            raise _malformed(f"members this reader does not know: {unknown}")
+            raise ManifestError(_WHAT + f"members this reader does not know: {unknown}", requirement="DLT-1")
         base = config.get("base")
         if type(base) is not str:
-            raise _malformed(f"'base' must be a string, got {base!r}")
+            raise ManifestError(_WHAT + f"'base' must be a string, got {base!r}", requirement="DLT-1")
         chunk = BaseChunk.from_dict(config.get("chunk"))
         frames = ZstdConfiguration.from_dict({k: v for k, v in config.items() if k not in _OWN})
         return cls(base=base, chunk=chunk, frames=frames)
@@ -145,7 +154,10 @@ class XorConfiguration:
             name = base.codec.name
             if name == RAW:
                 if base.nbytes != raw_size:
-                    raise _malformed(f"raw base chunk holds {base.nbytes} bytes; the chunk has {raw_size} raw bytes")
+                    raise ManifestError(
+                        _WHAT + f"raw base chunk holds {base.nbytes} bytes; the chunk has {raw_size} raw bytes",
+                        requirement="DLT-1",
+                    )
             elif name == NAME:
                 XorConfiguration.from_dict(base.codec.configuration).frames.check(
                     stored_size=base.nbytes, raw_size=raw_size
