@@ -190,6 +190,17 @@ class XorOptions(CodecOptions):
     source: DeltaSource | None = None
 
 
+def is_delta(codec: str | None) -> bool:
+    """Whether a writer's codec argument (``"xor-zstd"`` or ``"xor-zstd:LEVEL"``) asks for delta chunks."""
+    return codec is not None and codec.partition(":")[0] == NAME
+
+
+def keyframe(codec: str | None) -> str | None:
+    """The codec a save without a base writes with when ``xor-zstd`` was asked for: ``zstd`` with the same level
+    (its chunks are the keyframes later deltas are taken against); any other codec as it is."""
+    return "zstd" + codec[len(NAME) :] if codec is not None and is_delta(codec) else codec
+
+
 def xor_into(out: memoryview, other: memoryview | bytes) -> None:
     """``out ^= other``, bytewise, in place (eight bytes at a time where the length allows)."""
     n = len(out)
@@ -258,5 +269,7 @@ __all__ = [
     "XorConfiguration",
     "XorOptions",
     "XorZstdCodec",
+    "is_delta",
+    "keyframe",
     "xor_into",
 ]
