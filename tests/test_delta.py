@@ -277,3 +277,14 @@ def test_malformed_and_too_deep_configurations_are_refused() -> None:
 def test_xor_zstd_needs_a_base(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="base="):
         ckptfmt.open_writer(tmp_path / "c", profile="weights", codec="xor-zstd")
+
+
+def test_materialize_refuses_deltas_rather_than_copy_them_without_their_base(
+    run: tuple[Path, dict[str, np.ndarray[Any, Any]]],
+) -> None:
+    from ckptfmt.materialize import materialize
+
+    root, _ = run
+    with pytest.raises(UsageError, match="deltas"):
+        materialize(root / "step-2", root / "copy")
+    assert not (root / "copy" / "manifest.json").exists()
