@@ -288,3 +288,46 @@ def test_materialize_refuses_deltas_rather_than_copy_them_without_their_base(
     with pytest.raises(UsageError, match="deltas"):
         materialize(root / "step-2", root / "copy")
     assert not (root / "copy" / "manifest.json").exists()
+
+
+def test_a_delta_of_a_chunk_the_base_references_names_the_checkpoint_that_stores_it(tmp_path: Path) -> None:
+    """step-2 references step-1's raw w (unchanged); step-3's delta of w is taken against step-1's chunk, where the
+    bytes are, and names step-1 (DLT-6); b is sharded in two chunks, each a delta of its own base chunk."""
+    rng = np.random.default_rng(5)
+    w, b = _array(rng, "F32", (64, 64)), _array(rng, "F16", (80, 64))
+
+    def save(path: Path, w: np.ndarray[Any, Any], b: np.ndarray[Any, Any], **options: Any) -> None:
+        with ckptfmt.open_writer(path, profile="weights", **options) as writer:
+            writer.write_tensor("weights", "w", w)
+            for lo in (0, 40):
+                writer.write_tensor("weights", "b", b[lo : lo + 40], global_shape=(80, 64), offsets=(lo, 0))
+
+    save(tmp_path / "step-1", w, b)
+    save(tmp_path / "step-2", w, _nudged(rng, b), base=tmp_path / "step-1")
+    w3, b3 = _nudged(rng, w), _nudged(rng, b)
+    save(tmp_path / "step-3", w3, b3, base=tmp_path / "step-2", codec="xor-zstd")
+    with ckptfmt.open(tmp_path / "step-3") as ckpt:
+        (chunk,) = ckpt.tensor("weights", "w").chunks
+        assert chunk.codec.configuration is not None and chunk.codec.configuration["base"] == "../step-1"
+        assert [c.codec.name for c in ckpt.tensor("weights", "b").chunks] == ["xor-zstd", "xor-zstd"]
+        assert [b.location for b in ckpt.manifest.bases] == ["../step-1", "../step-2"]
+        assert np.array_equal(_bits(ckpt.read_tensor("weights", "w")), _bits(w3))
+        assert np.array_equal(_bits(ckpt.read_tensor("weights", "b")), _bits(b3))
+        assert np.array_equal(_bits(ckpt.read_slice("weights", "b", (30, 0), (20, 64))), _bits(b3[30:50]))
+        assert ckpt.verify().ok
+
+
+def test_a_chunk_without_the_same_chunk_in_the_base_is_a_keyframe(tmp_path: Path) -> None:
+    """Another shape, another chunking or a tensor new since the base: written in zstd, as without a base."""
+    rng = np.random.default_rng(6)
+    _save(tmp_path / "step-1", {"w": _array(rng, "F32", (64, 64))}, codec="zstd")
+    second = {"w": _array(rng, "F32", (64, 32)), "new": _array(rng, "F32", (64, 64))}
+    _save(tmp_path / "step-2", second, codec="xor-zstd", base=tmp_path / "step-1")
+    with ckptfmt.open(tmp_path / "step-2") as ckpt:
+        assert {n: r.chunks[0].codec.name for n, r in ckpt.field("weights").tensors.items()} == {
+            "w": "zstd",
+            "new": "zstd",
+        }
+        assert ckpt.manifest.bases == () and ckpt.format_version != "1.3"
+        for name, array in second.items():
+            assert np.array_equal(ckpt.read_tensor("weights", name), array)
