@@ -16,8 +16,10 @@ big-endian array contiguous little-endian, or a GPU tensor host-resident), one I
 ``SLICE_BYTES`` per worker thread, and the records. With a codec, each worker also holds one encoded
 data file (at most ``plan.ENCODED_FILE_BYTES`` = 64 MiB of raw data; larger tensors are cut into
 chunks of that size) and one frame's byte planes (4 MiB): about 2 x 68 MiB with the default 2
-workers (tests/test_codecs_memory.py). Arrays passed in must therefore not be modified until the
-writer commits (or :meth:`CheckpointWriter.flush` returns).
+workers (tests/test_codecs_memory.py). With ``xor-zstd`` (spec/delta.md) each worker also holds, while it encodes
+a chunk, the chunk's XOR and its base chunk's raw bytes (at most 2 x 64 MiB), read through the base's reader.
+Arrays passed in must therefore not be modified until the writer commits (or :meth:`CheckpointWriter.flush`
+returns).
 """
 
 from __future__ import annotations
