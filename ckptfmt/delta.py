@@ -16,10 +16,11 @@ from collections.abc import Iterator
 
 from .codecs import get_codec
 from .codecs.xor_zstd import MAX_DEPTH, NAME, XorConfiguration, xor_into
+from .digest_checks import Span
 from .digests import algorithm_of, digest_of
 from .errors import DigestMismatchError, ManifestError
 from .file_checks import FileChecks
-from .manifest import RAW, Codec
+from .manifest import RAW, ChunkRecord, Codec
 from .references import virtual_path
 from .storage import Store
 
@@ -62,14 +63,28 @@ def xor_base(
         )
     path = virtual_path(config.base, chunk.path)
     checks.check(path)  # opens the base: its id, its files (REF-7, REF-8), sizes and header
-    whole = verify  # a verifying read of a raw base reads the whole chunk: its digest covers all of it
     codec = chunk.codec
     if codec.name == RAW:
-        lo, hi = (0, chunk.nbytes) if whole else (raw_begin, raw_end)
+        # unverified: the bytes needed; verified: the blocks they touch, or the whole chunk (its digest covers all)
+        lo, hi = raw_begin, raw_end
+        if verify:
+            lo, hi = (0, chunk.nbytes) if chunk.blocks is None else chunk.blocks.covering(chunk.nbytes, lo, hi)
         stored = memoryview(bytearray(hi - lo))
         store.read_into(path, chunk.begin + lo, stored)
-        if whole:
+        if verify and (lo, hi) == (0, chunk.nbytes):
             _check_digest(chunk.digest, stored, path)
+        elif verify and chunk.blocks is not None:
+            as_chunk = ChunkRecord(
+                path=path,
+                key=chunk.key,
+                offsets=(),
+                shape=(),
+                begin=chunk.begin,
+                end=chunk.end,
+                digest=chunk.digest,
+                blocks=chunk.blocks,
+            )
+            Span(as_chunk, chunk.begin + lo, chunk.begin + hi, first_block=lo // chunk.blocks.size).check(stored)
         xor_into(out, stored[raw_begin - lo : raw_end - lo])
         return len(stored)
     implementation = get_codec(codec.name, path=path)

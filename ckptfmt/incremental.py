@@ -167,6 +167,7 @@ class BaseIndex:
             end=chunk.end,
             digest=chunk.digest,
             codec=chunk.codec,
+            blocks=chunk.blocks,
         )
 
         def read() -> memoryview:

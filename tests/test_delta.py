@@ -262,6 +262,7 @@ def test_malformed_and_too_deep_configurations_are_refused() -> None:
         {**good, "chunk": {**good["chunk"], "digest": "md5:00"}},  # type: ignore[dict-item]
         {**good, "chunk": {**good["chunk"], "range": [8, 4000]}},  # type: ignore[dict-item]  (not 4096 raw bytes)
         {**good, "mystery": 1},
+        {**good, "chunk": {**good["chunk"], "blocks": {"size": 4096, "digests": ""}}},  # type: ignore[dict-item]
     ):
         with pytest.raises(ManifestError) as info:
             plan(broken)
@@ -331,3 +332,30 @@ def test_a_chunk_without_the_same_chunk_in_the_base_is_a_keyframe(tmp_path: Path
         assert ckpt.manifest.bases == () and ckpt.format_version != "1.3"
         for name, array in second.items():
             assert np.array_equal(ckpt.read_tensor("weights", name), array)
+
+
+def test_a_partial_read_over_a_raw_base_checks_only_the_base_blocks_it_reads(tmp_path: Path) -> None:
+    """DLT-4 with BLK-5: a raw keyframe with block digests (64 KiB, the default) is read over the blocks a slice
+    touches; a byte flipped in another block is never read, one in a block read is caught."""
+    rng = np.random.default_rng(9)
+    w = _array(rng, "F32", (1024, 64))  # 256 KiB: 4 blocks
+    _save(tmp_path / "step-1", {"w": w}, codec=None)
+    w2 = _nudged(rng, w)
+    small = WriteCodec(name="xor-zstd", options=XorOptions(zstd=ZstdOptions(frame_bytes=4096)))
+    _save(tmp_path / "step-2", {"w": w2}, codec=small, base=tmp_path / "step-1")
+    with ckptfmt.open(tmp_path / "step-2") as ckpt:
+        config = ckpt.tensor("weights", "w").chunks[0].codec.configuration
+        assert config is not None and "blocks" in config["chunk"]  # type: ignore[operator]
+    with ckptfmt.open(tmp_path / "step-1") as base:
+        begin = base.tensor("weights", "w").chunks[0].begin
+    data = tmp_path / "step-1" / "weights" / "r00000-00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[begin + 200 * 1024] ^= 1  # in block 3 (rows 800..)
+    data.write_bytes(bytes(raw))  # (the file's own digest no longer matches: a verify would say so)
+    with ckptfmt.open(tmp_path / "step-2") as ckpt:
+        rows = ckpt.read_slice("weights", "w", (10, 0), (4, 64))  # block 0 only
+        assert np.array_equal(_bits(rows), _bits(w2[10:14]))
+        assert ckpt.bytes_read < 64 * 1024 + 2 * 4096
+        with pytest.raises(DigestMismatchError) as info:
+            ckpt.read_slice("weights", "w", (810, 0), (4, 64))
+        assert info.value.requirement == "BLK-5" and info.value.tensor == "w"

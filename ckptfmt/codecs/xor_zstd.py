@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks import Blocks
+from ..blocks import problem as block_problem
 from ..digests import parse_digest
 from ..errors import ManifestError, UsageError
 from ..manifest import RAW, Codec, CodecDict
@@ -30,7 +32,7 @@ from .zstd import ZstdCodec, ZstdConfiguration, ZstdOptions
 NAME = "xor-zstd"
 MAX_DEPTH = 8  # deltas in a chain: a read of the newest decodes at most this many bases besides the keyframe
 _OWN = frozenset({"base", "chunk"})
-_CHUNK = frozenset({"path", "key", "range", "digest", "codec"})
+_CHUNK = frozenset({"path", "key", "range", "digest", "codec", "blocks"})
 _ZSTD = ZstdCodec()
 
 
@@ -47,19 +49,23 @@ class BaseChunk:
     end: int
     digest: str
     codec: Codec
+    blocks: Blocks | None = None  # a raw base chunk's block digests: a partial read checks only the blocks it reads
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "path": self.path,
             "key": self.key,
             "range": [self.begin, self.end],
             "digest": self.digest,
             "codec": dict(self.codec.to_dict()),
         }
+        if self.blocks is not None:
+            out["blocks"] = dict(self.blocks.to_dict())
+        return out
 
     @classmethod
     def from_dict(cls, doc: object) -> BaseChunk:
@@ -99,7 +105,23 @@ class BaseChunk:
         as_dict: CodecDict = {"name": codec["name"]}
         if configuration is not None:
             as_dict["configuration"] = configuration
-        return cls(path=path, key=key, begin=span[0], end=span[1], digest=digest, codec=Codec.from_dict(as_dict))
+        blocks = doc.get("blocks")
+        if "blocks" in doc:  # as a chunk record's (BLK-1, BLK-2, BLK-3): on a raw base chunk only
+            found = block_problem(blocks, nbytes=span[1] - span[0], algorithm=digest.partition(":")[0])
+            if as_dict["name"] != RAW or not isinstance(blocks, Mapping) or found is not None:
+                raise ManifestError(
+                    _WHAT + f"'chunk' 'blocks' is not the block digests of a raw chunk of its range: {found}",
+                    requirement="DLT-1",
+                )
+        return cls(
+            path=path,
+            key=key,
+            begin=span[0],
+            end=span[1],
+            digest=digest,
+            codec=Codec.from_dict(as_dict),
+            blocks=None if blocks is None else Blocks.from_dict(blocks),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
