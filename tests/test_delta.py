@@ -83,9 +83,9 @@ def test_codec_round_trips_bit_exactly_over_random_bases_targets_and_ranges(
     stored = b"".join(bytes(p) for p in encoded.parts)
     assert encoded.configuration is not None
     record = Codec(name="xor-zstd", configuration=encoded.configuration.to_dict())
-    lo, hi = sorted(int(c * n) for c in cut)
-    lo, hi = lo * itemsize, max(hi, lo + 1) * itemsize if lo < n else n * itemsize
-    lo = min(lo, hi - itemsize)
+    first = min(int(cut[0] * n), n - 1)  # a random run of whole elements, at least one
+    count = max(1, int(cut[1] * (n - first)))
+    lo, hi = first * itemsize, (first + count) * itemsize
     span = codec.plan_frames(record, stored_size=len(stored), raw_size=n * itemsize, raw_begin=lo, raw_end=hi)
     assert span.raw_begin <= lo and hi <= span.raw_end  # only the frames the range needs
     out = memoryview(bytearray(span.raw_end - span.raw_begin))
