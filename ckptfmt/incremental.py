@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .arrays import byte_view
+from .codecs.xor_zstd import MAX_DEPTH, BaseChunk, DeltaSource
+from .delta import chain_files
 from .digests import algorithm_of, digest_of
 from .errors import UsageError
 from .manifest import RAW, ChunkRecord, FileRecord
@@ -66,7 +69,13 @@ class BaseIndex:
     """The chunks of a base checkpoint, by (field, tensor, offsets), as references from a sibling ``store``."""
 
     def __init__(
-        self, base: Checkpoint, store: Store, *, frozen: Collection[str] = (), content: RawDigests | None = None
+        self,
+        base: Checkpoint,
+        store: Store,
+        *,
+        frozen: Collection[str] = (),
+        content: RawDigests | None = None,
+        owned: bool = False,
     ) -> None:
         own = base.store.url.rstrip("/")
         name = own.rpartition("/")[2]
@@ -78,6 +87,10 @@ class BaseIndex:
         if store.url.rstrip("/") == own:
             raise UsageError("a checkpoint cannot be its own base", path=own)
         self.checkpoint_id = base.id
+        self._reader = base  # read for the raw bytes of the chunks a delta is taken against (xor-zstd)
+        self._owned = owned
+        self._read_lock = threading.Lock()
+        self._stored_files: dict[str, FileRecord] = {f.path: f for f in base.manifest.files}
         self.location = location_of(name)
         self._ids = {self.location: base.id, **{b.location: b.checkpoint_id for b in base.manifest.bases}}
         self.frozen = frozenset(frozen)
@@ -87,6 +100,7 @@ class BaseIndex:
         self.referenced_raw: dict[ChunkKey, str] = {}  # of the encoded chunks referenced: carried to the next save
         stored: dict[str, FileRecord] = {f.path: f for f in base.manifest.files}
         grand = {b.location: b for b in base.manifest.bases}
+        self._grand = grand
         self._chunks: dict[tuple[str, str, Shape], _Candidate] = {}
         for fname, record in base.manifest.fields.items():
             for tname, tensor in record.tensors.items():
@@ -120,8 +134,57 @@ class BaseIndex:
     def records(self, references: Iterable[ChunkRecord]) -> tuple[BaseRecord, ...]:
         """The manifest's base records for the chunks ``references`` (referenced through this index): the
         checkpoints that store them, each with its id and the files referenced there."""
-        ids = {c.base: self.id_of(c.base) for c in references if c.base}
+        del references  # every file a chunk uses is in stats.files: referenced, or a delta's base (at any depth)
+        ids = {loc: self.id_of(loc) for loc, _ in self.stats.files}
         return merge_bases(ids, [(loc, f) for (loc, _), f in self.stats.files.items()])
+
+    def close(self) -> None:
+        """Close the base, if this index opened it."""
+        if self._owned:
+            self._owned = False
+            self._reader.close()
+
+    def delta(
+        self, field_name: str, name: str, dtype: str, global_shape: Shape, offsets: Shape, shape: Shape
+    ) -> DeltaSource | None:
+        """What to encode this chunk against with ``xor-zstd`` (spec/delta.md): the base's chunk of the same tensor
+        (dtype, global shape), offsets and shape, where it is stored; None when there is none, or when it is
+        already ``MAX_DEPTH`` deltas deep (the chunk is then written whole: a keyframe)."""
+        found = self._chunks.get((field_name, name, offsets))
+        if found is None or (found.dtype, found.global_shape, found.chunk.shape) != (dtype, global_shape, shape):
+            return None
+        chunk = found.chunk
+        levels = list(chain_files(chunk.codec))
+        if len(levels) >= MAX_DEPTH:
+            return None
+        assert chunk.base is not None  # (as the index records every chunk: a reference to where it is stored)
+        for location, path in [(chunk.base, chunk.stored_path), *levels]:
+            self.stats.files[(location, path)] = self._file(location, path)
+        source = BaseChunk(
+            path=chunk.stored_path,
+            key=chunk.key,
+            begin=chunk.begin,
+            end=chunk.end,
+            digest=chunk.digest,
+            codec=chunk.codec,
+            blocks=chunk.blocks,
+        )
+
+        def read() -> memoryview:
+            # read and checked by the base's own reader (its own deltas included): exactly what a reader of the
+            # new chunk XORs back (one read of the base chunk per chunk encoded: its stored bytes, decoded)
+            with self._read_lock:
+                array = self._reader.read_slice(field_name, name, offsets, shape)
+            return byte_view(np.ascontiguousarray(array))
+
+        return DeltaSource(location=chunk.base, chunk=source, read=read)
+
+    def _file(self, location: str, path: str) -> BaseFile:
+        """The record of file ``path`` of the checkpoint at ``location`` (the base, or one of its bases)."""
+        if location == self.location:
+            f = self._stored_files[path]
+            return BaseFile(path=f.path, size=f.size, digest=f.digest)
+        return next(f for f in self._grand[location].files if f.path == path)
 
     def match(
         self, field_name: str, name: str, dtype: str, global_shape: Shape, offsets: Shape, data: np.ndarray[Any, Any]
@@ -145,6 +208,8 @@ class BaseIndex:
         self.stats.bytes += chunk.nbytes
         for f in found.base.files:
             self.stats.files[(found.base.location, f.path)] = f
+        for location, path in chain_files(chunk.codec):  # a referenced delta needs its bases listed too (DLT-6)
+            self.stats.files[(location, path)] = self._file(location, path)
         return chunk, found.base
 
 
@@ -169,8 +234,12 @@ def open_base_index(
     expected = os.path.abspath(url) if store.capabilities.local and "://" not in url else url
     if "/" in url and sibling.url.rstrip("/") != expected.rstrip("/"):
         raise UsageError(f"the base {url} must be a checkpoint beside {store.url} (in the same run directory)")
-    with open_store_checkpoint(sibling) as opened:
-        return BaseIndex(opened, store, frozen=frozen, content=content)
+    opened = open_store_checkpoint(sibling)
+    try:
+        return BaseIndex(opened, store, frozen=frozen, content=content, owned=True)
+    except BaseException:
+        opened.close()
+        raise
 
 
 def _as_reference(chunk: ChunkRecord, location: str) -> ChunkRecord:

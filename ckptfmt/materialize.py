@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .codecs.xor_zstd import NAME as XOR_ZSTD
 from .commit import Committer
 from .convert.base import Progress
 from .digests import algorithm_of, format_digest, new_hasher
@@ -144,6 +145,18 @@ def materialize_checkpoint(
         try:
             if dst.url.rstrip("/") == ckpt.url.rstrip("/"):
                 raise UsageError("the copy must go elsewhere: materializing in place would replace the checkpoint")
+            deltas = sorted(
+                f"{fname}/{tname}"
+                for fname, record in ckpt.manifest.fields.items()
+                for tname, tensor in record.tensors.items()
+                if any(c.codec.name == XOR_ZSTD for c in tensor.chunks)
+            )
+            if deltas:  # their bytes are a difference from a base's: copied byte for byte, they would need it still
+                raise UsageError(
+                    f"{len(deltas)} tensors are stored as deltas of a base (xor-zstd, spec/delta.md), e.g. "
+                    f"{deltas[0]}: a byte-for-byte copy cannot be self-contained; `ckpt convert` the checkpoint "
+                    "(decoded and written again) instead"
+                )
             if overwrite:
                 _check_replaceable(dst_url, dst, storage_options)
             copies = plan_copies(ckpt.manifest)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,9 +23,13 @@ import numpy as np
 from . import chunks as geometry
 from . import layout
 from .codecs import WriteCodec, writer_codec
+from .codecs.xor_zstd import NAME as XOR_ZSTD
+from .codecs.xor_zstd import DeltaSource, XorOptions
+from .delta import chain_files
 from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
 from .manifest import (
     BLOCKS_VERSION,
+    DELTA_VERSION,
     ENCODED_VERSION,
     RAW,
     RAW_VERSION,
@@ -53,6 +57,10 @@ class ReferenceMatcher(Protocol):
     def match(
         self, field_name: str, name: str, dtype: str, global_shape: Shape, offsets: Shape, data: Array
     ) -> tuple[ChunkRecord, BaseRecord] | None: ...
+
+    def delta(
+        self, field_name: str, name: str, dtype: str, global_shape: Shape, offsets: Shape, shape: Shape
+    ) -> DeltaSource | None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,9 +262,23 @@ class RankPlanner:
                     PlacedChunk(field=field_name, tensor=name, dtype=dtype, global_shape=gshape, chunk=found[0])
                 )
                 continue
-            entry, full = self.place(field_name, name, dtype, piece.shape, gshape, offs, piece.nbytes)
+            codec = self._delta_codec(field_name, name, dtype, gshape, offs, piece)
+            entry, full = self.place(field_name, name, dtype, piece.shape, gshape, offs, piece.nbytes, codec=codec)
             out.append(Placement(full=tuple(full), entry=entry, data=piece))
         return out
+
+    def _delta_codec(
+        self, field_name: str, name: str, dtype: str, gshape: Shape, offs: Shape, piece: Array
+    ) -> WriteCodec | None:
+        """With ``xor-zstd``: the codec of a chunk to write, encoded against the base's chunk when it has one
+        (spec/delta.md), else plain ``zstd`` with the same options (a keyframe); None: the usual choice."""
+        if self.codec.name != XOR_ZSTD or self.entry_codec(dtype, piece.nbytes).name == RAW:
+            return None
+        options = self.codec.options if isinstance(self.codec.options, XorOptions) else XorOptions()
+        source = None if self.base is None else self.base.delta(field_name, name, dtype, gshape, offs, piece.shape)
+        if source is None:
+            return WriteCodec(name="zstd", options=options.zstd)
+        return WriteCodec(name=XOR_ZSTD, options=replace(options, source=source))
 
     def entry_codec(self, dtype: str, nbytes: int) -> WriteCodec:
         """The codec a chunk of ``nbytes`` of ``dtype`` is written with (the one place it is chosen)."""
@@ -334,9 +356,19 @@ class RankPlanner:
         return gshape, offs
 
     def place(
-        self, field_name: str, name: str, dtype: str, shape: Shape, gshape: Shape, offs: Shape, nbytes: int
+        self,
+        field_name: str,
+        name: str,
+        dtype: str,
+        shape: Shape,
+        gshape: Shape,
+        offs: Shape,
+        nbytes: int,
+        *,
+        codec: WriteCodec | None = None,
     ) -> tuple[EntryPlan, list[FilePlan]]:
-        """Put a declared chunk in a data file; returns its entry and the plans of files that became full."""
+        """Put a declared chunk in a data file (``codec``: its codec, when not :meth:`entry_codec`'s); returns its
+        entry and the plans of files that became full."""
         whole = offs == (0,) * len(shape) and shape == gshape
         key = name if whole else f"{name}@{','.join(map(str, offs))}"
         entry = EntryPlan(
@@ -348,7 +380,7 @@ class RankPlanner:
             offsets=offs,
             global_shape=gshape,
             nbytes=nbytes,
-            codec=self.entry_codec(dtype, nbytes),
+            codec=self.entry_codec(dtype, nbytes) if codec is None else codec,
         )
         slot = (field_name, entry.encoded)
         # An encoded file is built in memory before it is written (its header needs the stored sizes).
@@ -456,9 +488,16 @@ def merge_results(
     chunks = [c for f in fields.values() for t in f.tensors.values() for c in t.chunks]
     encoded = any(c.codec.name != RAW for c in chunks)
     version = (
-        BLOCKS_VERSION if any(c.blocks is not None for c in chunks) else ENCODED_VERSION if encoded else RAW_VERSION
+        DELTA_VERSION
+        if any(c.codec.name == XOR_ZSTD for c in chunks)
+        else BLOCKS_VERSION
+        if any(c.blocks is not None for c in chunks)
+        else ENCODED_VERSION
+        if encoded
+        else RAW_VERSION
     )
     used = {(c.base, c.stored_path) for c in chunks if c.base is not None}
+    used |= {level for c in chunks for level in chain_files(c.codec)}  # a delta's bases, at every depth (DLT-6)
     listed = {(b.location, f.path) for b in bases.values() for f in b.files}
     if used != listed:
         raise ChunkLayoutError(f"referenced files and base records disagree: {sorted(used ^ listed)[:3]}")

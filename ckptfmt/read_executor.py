@@ -34,9 +34,12 @@ else:
 from . import dtypes, host_memory
 from .arrays import byte_view
 from .codecs import get_codec
+from .codecs.xor_zstd import XorConfiguration
+from .delta import xor_base
 from .digest_checks import Span, SpanHasher
 from .errors import CheckpointError, UsageError
 from .file_checks import FileChecks
+from .manifest import ChunkRecord
 from .read_plan import Piece, ReadPlan, Target
 from .storage import RangeReader, Store
 
@@ -248,7 +251,7 @@ class ReadExecutor:
                     done.append(live)
         for live in done:
             try:
-                _finish(live, verify)
+                self._finish(live, verify)
             except CheckpointError as exc:
                 exc.locate(path=path, field=live.field_name, tensor=live.tensor_name)
                 raise
@@ -343,20 +346,41 @@ class ReadExecutor:
                 self._ahead = ThreadPoolExecutor(max_workers=SCANS_AHEAD, thread_name_prefix="ckptfmt-scan")
             return self._ahead
 
+    def _finish(self, live: _Live, verify: bool) -> None:
+        """A piece whose bytes have all arrived: check them, then decode or copy them into the target."""
+        piece, chunk = live.piece, live.piece.chunk
+        views = [view for _, view in live.segments]
+        if verify and piece.check in ("chunk", "blocks"):
+            _piece_span(piece).check(*views)
+        if piece.span is not None:
+            itemsize = live.array.dtype.itemsize
+            span = piece.span
+            raw = memoryview(bytearray(span.raw_end - span.raw_begin))
+            get_codec(chunk.codec.name).decode_into(chunk.codec, views[0], span, raw, itemsize=itemsize)
+            if isinstance(span.configuration, XorConfiguration):  # a delta: XOR the base's bytes back in
+                read = xor_base(
+                    self.store,
+                    self.checks,
+                    span.configuration,
+                    span.raw_begin,
+                    span.raw_end,
+                    raw,
+                    raw_size=chunk_raw_size(chunk, itemsize),
+                    itemsize=itemsize,
+                    verify=verify,
+                )
+                with self._lock:
+                    self.bytes_read += read
+            _copy(piece, raw, live.array)
+        elif piece.direct is None:
+            _copy(piece, views[0], live.array)
 
-def _finish(live: _Live, verify: bool) -> None:
-    """A piece whose bytes have all arrived: check them, then decode or copy them into the target."""
-    piece, chunk = live.piece, live.piece.chunk
-    views = [view for _, view in live.segments]
-    if verify and piece.check in ("chunk", "blocks"):
-        _piece_span(piece).check(*views)
-    if piece.span is not None:
-        itemsize = live.array.dtype.itemsize
-        raw = memoryview(bytearray(piece.span.raw_end - piece.span.raw_begin))
-        get_codec(chunk.codec.name).decode_into(chunk.codec, views[0], piece.span, raw, itemsize=itemsize)
-        _copy(piece, raw, live.array)
-    elif piece.direct is None:
-        _copy(piece, views[0], live.array)
+
+def chunk_raw_size(chunk: ChunkRecord, itemsize: int) -> int:
+    count = itemsize
+    for d in chunk.shape:
+        count *= d
+    return count
 
 
 def _check_runs(pieces: Sequence[Piece]) -> list[tuple[int, int]]:

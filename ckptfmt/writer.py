@@ -16,8 +16,10 @@ big-endian array contiguous little-endian, or a GPU tensor host-resident), one I
 ``SLICE_BYTES`` per worker thread, and the records. With a codec, each worker also holds one encoded
 data file (at most ``plan.ENCODED_FILE_BYTES`` = 64 MiB of raw data; larger tensors are cut into
 chunks of that size) and one frame's byte planes (4 MiB): about 2 x 68 MiB with the default 2
-workers (tests/test_codecs_memory.py). Arrays passed in must therefore not be modified until the
-writer commits (or :meth:`CheckpointWriter.flush` returns).
+workers (tests/test_codecs_memory.py). With ``xor-zstd`` (spec/delta.md) each worker also holds, while it encodes
+a chunk, the chunk's XOR and its base chunk's raw bytes (at most 2 x 64 MiB), read through the base's reader.
+Arrays passed in must therefore not be modified until the writer commits (or :meth:`CheckpointWriter.flush`
+returns).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .arrays import as_array
 from .blocks import DEFAULT_BLOCK_BYTES
 from .canonical import config_hash, config_to_dict
 from .codecs import WriteCodec
+from .codecs.xor_zstd import NAME as XOR_ZSTD
 from .collective import Collective
 from .collective_commit import COORDINATOR, start_commit
 from .context import encode
@@ -113,6 +116,8 @@ class CheckpointWriter:
         # (spec/references.md). frozen: tensor names the caller declares unchanged since the base (not hashed).
         # base_content: ``raw_digests`` of the writer of this process that wrote the base, with its checkpoint id:
         # lets an unchanged encoded chunk be referenced after a hash (ignored unless the ids match)
+        if options.codec.name == XOR_ZSTD and base is None:
+            raise UsageError(f"codec {XOR_ZSTD!r} encodes each chunk against the same chunk of a base: give base= too")
         self._base = open_base_index(store, base, frozen, base_content)
         self._planner = RankPlanner(
             rank=self.rank, target_file_size=options.target_file_size, codec=options.codec, base=self._base
@@ -205,7 +210,7 @@ class CheckpointWriter:
         """This rank's records so far (after :meth:`flush`): what it hands the coordinator."""
         references = self._planner.references
         bases: tuple[BaseRecord, ...] = ()
-        if self._base is not None and references:
+        if self._base is not None and self._base.stats.files:  # referenced chunks, and the bases of deltas
             bases = self._base.records(c.chunk for c in references)
         return RankResult(
             rank=self.rank,
@@ -307,6 +312,8 @@ class CheckpointWriter:
     def _close(self) -> None:
         self._closed = True
         self._executor.shutdown()
+        if self._base is not None:
+            self._base.close()
 
     def _submit(self, plan: FilePlan) -> None:
         arrays = [self._arrays.pop((plan.field, e.key)) for e in plan.entries]

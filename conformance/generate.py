@@ -21,6 +21,8 @@ from .invalid_blocks import blocks_input
 from .invalid_codecs import VECTORS as CODEC_VECTORS
 from .invalid_codecs import zstd_input
 from .invalid_context import VECTORS as CONTEXT_VECTORS
+from .invalid_delta import DELTA_BASES, delta_input
+from .invalid_delta import VECTORS as DELTA_VECTORS
 from .invalid_manifest import VECTORS as MANIFEST_VECTORS
 from .invalid_ranks import VECTORS as RANK_VECTORS
 from .invalid_ranks import ranks_input
@@ -41,6 +43,7 @@ INVALID = (
     *RANK_VECTORS,
     *BLOCK_VECTORS,
     *REFERENCE_VECTORS,
+    *DELTA_VECTORS,
 )
 BASES = {
     "weights": weights_base,
@@ -50,7 +53,9 @@ BASES = {
     "blocks": blocks_input,
     "ref-weights": ref_weights_input,
     "ref-chain": chain_input,
+    "delta": delta_input,
 }
+RUNS_OF = {**RUNS, "delta": DELTA_BASES}  # the checkpoints each base's run writes first
 
 
 def _normalized(doc: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +113,7 @@ def generate(out: Path) -> None:
 
 def write_invalid(inv: Invalid, target: Path) -> None:
     """An invalid vector: its base checkpoint (beside the bases it references), mutated, and its expected.json."""
-    _write_bases(RUNS.get(inv.base, ()), target)
+    _write_bases(RUNS_OF.get(inv.base, ()), target)
     write(_normalized(BASES[inv.base]()), target / "checkpoint")
     inv.mutate(Tree(target / "checkpoint"))
     expected: dict[str, Any] = {

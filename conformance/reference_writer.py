@@ -4,7 +4,8 @@ Writes the checkpoint a writer input describes with ``ckptfmt.open_writer`` and 
 checkpoint id on stdout. Honours the optional ``hints`` (target file size, digest algorithm, block size of
 block digests: ``block_bytes``, the library's default when absent, ``null`` for none; ``base``: the name of a
 checkpoint beside OUT_DIR whose equal chunks are referenced instead of written, and ``frozen``: the tensors
-declared unchanged since it, spec/references.md) and the
+declared unchanged since it, spec/references.md; ``codec``: the codec to write with, ``"xor-zstd"`` for delta
+chunks against the base, spec/delta.md) and the
 ``rank`` hints of chunks and context fields: an input naming ranks above 0 is written as a real
 multi-rank save, one writer per rank (threads joined by a ThreadCollective), each rank writing its own
 chunks and contexts, rank 0 the whole tensors and the commit.
@@ -115,6 +116,8 @@ def write(writer_input: dict[str, Any], out_dir: str | Path) -> str:
         "digest": str(hints.get("digest", "xxh3-128")),
         "block_bytes": hints.get("block_bytes", DEFAULT_BLOCK_BYTES),
     }
+    if "codec" in hints:  # "xor-zstd" with a base: chunks stored as deltas of the base's (spec/delta.md)
+        options["codec"] = str(hints["codec"])
     if "base" in hints:  # a sibling of the output directory, in the same run directory
         options["base"] = Path(out_dir).parent / str(hints["base"])
         options["frozen"] = [str(name) for name in hints.get("frozen", ())]

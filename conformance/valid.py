@@ -33,6 +33,7 @@ from .inputs import (
 )
 from .invalid_blocks import block_digests, blocks_input, chunk_of
 from .invalid_codecs import to_zstd, zstd_input
+from .invalid_delta import DELTA_BASES, delta_input
 from .invalid_ranks import ranks_input
 from .invalid_references import (
     CHAIN_BASES,
@@ -689,6 +690,17 @@ VALID: tuple[Valid, ...] = (
         ref_zstd_input,
         bases=(Base(STEP1, zstd_input, post=to_zstd),),
         expect=lambda d: d.update(format_version="1.1"),
+    ),
+    Valid(
+        "delta",
+        ("DLT-1", "DLT-2", "DLT-4", "DLT-5"),
+        "Three checkpoints: step-1 in zstd, step-2 with xor-zstd against step-1, this one with xor-zstd against "
+        "step-2 (hint codec): w (F32) and h (BF16) are delta chunks of depth 2 (XOR with step-2's chunks, themselves "
+        "XORs with step-1's zstd chunks), k unchanged (a delta of zeros); format_version 1.3.",
+        delta_input,
+        bases=DELTA_BASES,
+        writer=False,
+        expect=lambda d: d.update(format_version="1.3"),
     ),
     Valid(
         "ref-chain",

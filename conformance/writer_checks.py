@@ -261,8 +261,11 @@ def profile_fields(out: Output) -> list[str]:
 
 
 def expected_version(manifest: dict[str, Any]) -> str:
-    """The ``format_version`` VER-1 asks of a writer for this manifest: 1.2 with block digests, 1.1 with codecs."""
+    """The ``format_version`` VER-1 asks of a writer for this manifest: 1.3 with delta chunks (DLT-7), 1.2 with block
+    digests, 1.1 with codecs."""
     chunks = [c for f in manifest["fields"].values() for t in f.get("tensors", {}).values() for c in t["chunks"]]
+    if any(c.get("codec", {}).get("name") == "xor-zstd" for c in chunks):
+        return "1.3"
     if any("blocks" in c for c in chunks):
         return "1.2"
     return "1.1" if any(c.get("codec", {}).get("name") != "raw" for c in chunks) else "1.0"

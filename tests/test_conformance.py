@@ -148,9 +148,11 @@ def test_every_requirement_is_covered_and_every_named_id_exists() -> None:
 
     result = trace()
     assert result.problems == []
-    assert len(result.spec) == 202
+    assert len(result.spec) == 209
     assert result.by_tests == {
         "BLK-5",
+        "DLT-6",
+        "DLT-7",
         "FLD-14",
         "REF-13",
         "REF-14",

@@ -77,10 +77,12 @@ def writer_codec(choice: WriteCodec, *, dtype: str, nbytes: int) -> WriteCodec:
 
 
 from . import raw as _raw  # noqa: E402  (registration after the registry exists)
+from . import xor_zstd as _xor_zstd  # noqa: E402
 from . import zstd as _zstd  # noqa: E402
 
 register(_raw.RawCodec())
 register(_zstd.ZstdCodec())
+register(_xor_zstd.XorZstdCodec())
 
 __all__ = [
     "ChunkCodec",

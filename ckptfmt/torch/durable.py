@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..chain import SINCE_FULL, depth_of, next_depth
 from ..chain import since_full as since_full  # its home was here
+from ..codecs.xor_zstd import keyframe
 from ..collective import Collective
 from ..decide import decide
 from ..errors import CheckpointError
@@ -135,7 +136,7 @@ class DurableEngine:
                 profile="training",
                 overwrite=True,
                 collective=group,
-                codec=self.options.codec,
+                codec=self.options.codec if base is not None else keyframe(self.options.codec),  # xor-zstd: zstd
                 base=base,
                 frozen=self.options.frozen if base is not None else (),
                 metadata={SINCE_FULL: str(depth)} if incremental else None,

@@ -18,6 +18,7 @@ import logging
 import signal
 from datetime import timedelta
 
+from ..codecs.xor_zstd import is_delta
 from ..collective import Collective, PeerChannel
 from ..errors import CheckpointError, UsageError
 from ..run import RunDirectory, checkpoint_name
@@ -53,6 +54,10 @@ class MemoryEngine:
     ) -> None:
         if durable is not None:  # the manager's durable options: the codec, and how a persist references a base
             codec = durable.codec
+        if is_delta(codec):
+            raise UsageError(
+                "codec 'xor-zstd' is for durable incremental saves; the memory tier persists in zstd or raw"
+            )
         self.run = run
         self.options = options
         self.lineage = lineage

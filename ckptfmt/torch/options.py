@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
+from ..codecs.xor_zstd import is_delta
 from ..errors import UsageError
 from ..tier.placement import check_replicas
 from .api import DEDICATED_TIMEOUT, Policy
@@ -38,7 +39,9 @@ class DurableOptions:
     """How a durable save is written (spec/codecs.md, spec/references.md).
 
     ``async_save``: parameters and optimizer state are copied and written by a background thread.
-    ``codec``: None (raw), ``"zstd"`` or ``"zstd:LEVEL"`` for floating tensors.
+    ``codec``: None (raw), ``"zstd"`` or ``"zstd:LEVEL"`` for floating tensors; with ``incremental``, ``"xor-zstd"``
+    (or ``"xor-zstd:LEVEL"``) stores each changed floating tensor as its XOR with the previous save's (spec/delta.md),
+    each full save in zstd.
     ``incremental``: a save references the chunks of the previous durable save that it would write unchanged;
     every ``full_every``-th save is self-contained. ``frozen``: tensors an incremental save references unhashed.
     """
@@ -54,6 +57,10 @@ class DurableOptions:
             raise UsageError("full_every must be at least 1 (1: every save is full)")
         if self.frozen and not self.incremental:
             raise UsageError("frozen= names tensors an incremental save references unhashed: give incremental=True")
+        if is_delta(self.codec) and not self.incremental:
+            raise UsageError(
+                "codec 'xor-zstd' stores each save as its difference from the previous one: give incremental=True"
+            )
         if self.full_every != 10 and not self.incremental:
             raise UsageError("full_every= bounds chains of incremental saves: give incremental=True")
 
