@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -36,13 +35,14 @@ from ranks import fsync_path, settle  # bench/ is not a package
 
 # yappi function-name fragments (module path or name) -> phase
 PHASES: dict[str, tuple[str, ...]] = {
-    "state capture (torch -> arrays)": ("ckptfmt/torch/state.py", "ckptfmt/torch/training_state.py", "arrays.py"),
-    "hashing (xxh3 / blocks)": ("xxh3", "digest_checks.py", "blocks.py", "hexdigest", "intdigest"),
-    "write calls": ("posix.write", "posix.pwrite", "posix.pwritev", "posix.writev"),
-    "fsync": ("posix.fsync", "posix.fdatasync"),
-    "context encoding (msgpack)": ("context.py", "msgpack"),
-    "provenance": ("provenance.py",),
-    "manifest + commit": ("plan.py", "canonical.py", "commit.py", "manifest.py", "manifest_parse.py"),
+    "state capture (torch -> arrays)": ("ckptfmt/torch/", "ckptfmt/arrays.py"),
+    "hashing (xxh3, blocks)": ("xxhash", "ckptfmt/blocks.py", "ckptfmt/digests.py", "ckptfmt/digest_checks.py"),
+    "write calls": ("posix:write", "posix:pwrite", "posix:writev", "posix:pwritev", "ckptfmt/storage/direct.py"),
+    "fsync": ("posix:fsync", "posix:fdatasync"),
+    "context encoding (msgpack)": ("ckptfmt/context.py", "msgpack"),
+    "provenance": ("ckptfmt/provenance.py", "subprocess"),
+    "manifest + commit": ("ckptfmt/plan.py", "ckptfmt/canonical.py", "ckptfmt/commit.py", "ckptfmt/manifest"),
+    "waiting (locks, queues: threads idle)": ("acquire", "SimpleQueue"),
 }
 
 
@@ -67,9 +67,10 @@ def methods(model: Any, optimizer: Any) -> dict[str, Callable[[Path], None]]:
     import ckptfmt.torch as ct
 
     config = {"layers": len(model), "width": 1024}
+    sampler = ct.ResumableSampler(1000, seed=1)
 
     def ckptfmt_save(path: Path) -> None:
-        ct.save(path, step=1, model=model, optimizer=optimizer, config=config)
+        ct.save(path, step=1, model=model, optimizer=optimizer, config=config, sampler=sampler)
 
     def dcp_save(path: Path) -> None:
         dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(path))
