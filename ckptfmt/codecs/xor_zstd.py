@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..blocks import Blocks
 from ..blocks import problem as block_problem
@@ -28,6 +26,11 @@ from ..errors import ManifestError, UsageError
 from ..manifest import RAW, Codec, CodecDict
 from .base import CodecOptions, Encoded, FrameSpan
 from .zstd import ZstdCodec, ZstdConfiguration, ZstdOptions
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from ..lazy_import import numpy as np
 
 NAME = "xor-zstd"
 MAX_DEPTH = 8  # deltas in a chain: a read of the newest decodes at most this many bases besides the keyframe
