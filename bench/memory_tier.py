@@ -11,7 +11,8 @@ one process trains an MLP through phases, each ``--steps`` steps, same model and
 - ``memory``: ``CheckpointManager(memory_every=1)`` with durable saves off (every step a snapshot): the
   trainer's blocking time per snapshot (capture on the trainer's thread plus ``optimizer.step()`` held for
   the background copy) and the step-time inflation against ``plain``; beside it the peer a trainer would
-  write by hand, ``torch.save(state_dict)`` into the same tmpfs on the trainer's thread;
+  write by hand, ``torch.save(state_dict)`` into the same tmpfs on the trainer's thread; and the CPU seconds
+  (``time.process_time``, every thread) snapshots add per GiB snapshotted, against ``plain``;
 - ``memory+durable``: memory every step, durable every ``--every`` steps made from memory (a byte copy of
   the slot, throttled): median step time while a persist is in flight;
 - ``async``: today's ``CheckpointManager(async_save=True)`` every ``--every`` steps: median step time while
@@ -79,6 +80,7 @@ def phase(name: str, args: argparse.Namespace, mib: int, work: Path) -> dict[str
         options["async_save"] = True
     mgr = CheckpointManager(work / name, **options) if name not in ("plain", "torch.save") else None
     times, busy, idle, stalls = [], [], [], []
+    cpu_start = time.process_time()  # every thread of this process: the trainer's and the background work's
     for i in range(1, args.steps + 1):
         sampler.advance(args.batch)
         inflight = mgr is not None and _in_flight(mgr)
@@ -97,6 +99,7 @@ def phase(name: str, args: argparse.Namespace, mib: int, work: Path) -> dict[str
         elif i > 2:
             idle.append(end - start)
     out: dict[str, Any] = {"step_s": statistics.median(times[2:]), "stall_s": statistics.median(stalls[2:])}
+    out["cpu_s_per_step"] = (time.process_time() - cpu_start) / args.steps
     if busy:
         out["step_while_persisting_s"] = statistics.median(busy)
         out["steps_while_persisting"] = len(busy)
@@ -107,6 +110,7 @@ def phase(name: str, args: argparse.Namespace, mib: int, work: Path) -> dict[str
             out["blocking_s"] = (memory.capture_seconds + memory.held_seconds) / memory.snapshots
             out["held_s"] = memory.held_seconds / memory.snapshots
             out["skipped"] = memory.skipped
+            out["snapshots"] = memory.snapshots
         if name == "async":
             out["held_s"] = mgr.held_seconds / max(1, args.steps // args.every)
         mgr.close()
@@ -298,9 +302,10 @@ def print_table(results: dict[str, Any]) -> None:
     phases = results.pop("torchrun", None)
     print(
         "| state/rank | step | snapshot blocks trainer | step at memory_every=1 | torch.save to tmpfs | "
-        "step while persisting from memory | step while async save | kill→first step: memory | : run dir |"
+        "CPU-s per snapshot GiB | step while persisting from memory | step while async save | "
+        "kill→first step: memory | : run dir |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mib, f in results.items():
         base = min(f["plain"]["step_s"], f["plain-again"]["step_s"])
 
@@ -308,10 +313,13 @@ def print_table(results: dict[str, Any]) -> None:
             return f"{v / base:.2f}x"
 
         mem, dur, asy = f["memory"], f["memory+durable"], f["async"]
+        # what snapshots add to the process's CPU time (all threads), per GiB snapshotted: a snapshot a step
+        plain_cpu = min(f["plain"]["cpu_s_per_step"], f["plain-again"]["cpu_s_per_step"])
+        per_gib = (mem["cpu_s_per_step"] - plain_cpu) / (int(mib) / 1024)
         rm, rd = f["recover_memory"], f["recover_durable"]
         print(
             f"| {mib} MiB | {base * 1e3:.0f} ms | {mem.get('blocking_s', 0) * 1e3:.1f} ms "
-            f"| {x(mem['step_s'])} | {f['torch.save']['stall_s'] * 1e3:.1f} ms "
+            f"| {x(mem['step_s'])} | {f['torch.save']['stall_s'] * 1e3:.1f} ms | {per_gib:.3f} "
             f"| {x(dur.get('step_while_persisting_s', dur['step_s']))} "
             f"({dur.get('step_while_persisting_s', 0) / dur.get('step_not_persisting_s', 1):.2f}x its other steps) "
             f"| {x(asy.get('step_while_persisting_s', asy['step_s']))} "

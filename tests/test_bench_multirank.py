@@ -30,10 +30,14 @@ def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert set(report["worlds"]) == {"1", "2", "4"}
     for m in report["worlds"].values():
-        timed = {"ckptfmt_save", "dcp_save", "ckptfmt_load", "dcp_load", "ckptfmt_restart", "dcp_restart"}
-        assert set(m) == timed | {"load_ratios", "restart_ratios"}
+        timed = {"ckptfmt_save", "dcp_save", "safetensors_save", "ckptfmt_load", "dcp_load"}
+        timed |= {"ckptfmt_restart", "dcp_restart"}
+        ratios = {"save_ratios", "safetensors_save_ratios", "load_ratios", "restart_ratios"}
+        assert set(m) == timed | ratios
         assert all(m[k] > 0 for k in timed)
         assert m["load_ratios"] == [m["dcp_load"] / m["ckptfmt_load"]]  # one repetition: its ratio
+        assert m["save_ratios"] == [m["dcp_save"] / m["ckptfmt_save"]]
+        assert m["safetensors_save_ratios"] == [m["safetensors_save"] / m["ckptfmt_save"]]
         assert m["restart_ratios"] == [m["dcp_restart"] / m["ckptfmt_restart"]]
     assert set(report["reshard"]) == {"4->3", "4->2"}
     for label, m in report["reshard"].items():
@@ -44,5 +48,6 @@ def test_tiny_run_reports_every_world_and_reshard(tmp_path: Path) -> None:
         assert m["ratios"] == [m["dcp_load"] / m["ckptfmt_read"]]
         assert m["ckptfmt_restart"] > 0 and m["restart_ratios"] == [m["dcp_restart"] / m["ckptfmt_restart"]]
     assert "| ranks | ckptfmt save |" in proc.stdout and "| 3 ranks |" in proc.stdout
-    assert "Loaded by a restart" in proc.stdout and "| 4-rank checkpoint restored on |" in proc.stdout
+    assert "Durable saves" in proc.stdout and "Loaded by a restart" in proc.stdout
+    assert "| 4-rank checkpoint restored on |" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing left behind
