@@ -219,6 +219,7 @@ class RankPlanner:
         # Open files by (field, encoded): encoded and raw chunks never share a data file (COD-2).
         self._pending: dict[tuple[str, bool], list[EntryPlan]] = {}
         self._pending_bytes: dict[tuple[str, bool], int] = {}
+        self._pending_keys: dict[tuple[str, bool], set[str]] = {}  # a set: a file of n tensors is O(n), not O(n^2)
         self._seq: dict[str, int] = {}
 
     def declare_field(self, field_name: str) -> None:
@@ -389,10 +390,11 @@ class RankPlanner:
         pending = self._pending.setdefault(slot, [])
         over = pending and self._pending_bytes[slot] + nbytes > target
         # A tensor named like another's chunk key ("t@0"): keys need only be unique within a file.
-        clash = any(p.key == key for p in pending)
+        clash = key in self._pending_keys.get(slot, ())
         if over or clash:
             full.append(self._close_file(slot))
         self._pending.setdefault(slot, []).append(entry)
+        self._pending_keys.setdefault(slot, set()).add(key)
         self._pending_bytes[slot] = self._pending_bytes.get(slot, 0) + nbytes
         return entry, full
 
@@ -403,6 +405,7 @@ class RankPlanner:
     def _close_file(self, slot: tuple[str, bool]) -> FilePlan:
         field_name = slot[0]
         entries = tuple(self._pending.pop(slot))
+        self._pending_keys.pop(slot, None)
         self._pending_bytes[slot] = 0
         seq = self._seq.get(field_name, 0)
         self._seq[field_name] = seq + 1
