@@ -35,3 +35,4 @@ class LazyModule:
 
 numpy = LazyModule("numpy")
 ml_dtypes = LazyModule("ml_dtypes")
+zstandard = LazyModule("zstandard")  # 13 ms, for checkpoints that use a zstd codec

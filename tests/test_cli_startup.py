@@ -70,4 +70,4 @@ def test_ckpt_verify_of_a_weights_checkpoint_never_imports_numpy(tmp_path: Path)
         "    assert exc.code == 0, exc.code"
     )
     assert "ckptfmt.verify" in loaded and "ckptfmt.reader" in loaded
-    assert "numpy" not in loaded and "ml_dtypes" not in loaded
+    assert "numpy" not in loaded and "ml_dtypes" not in loaded and "zstandard" not in loaded

@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import zstandard
-
 if TYPE_CHECKING:
     import numpy as np
+    import zstandard
 else:
     from ..lazy_import import numpy as np
+    from ..lazy_import import zstandard
 
 from ..errors import IntegrityError, ManifestError, UsageError
 from ..manifest import Codec
