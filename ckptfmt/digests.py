@@ -1,4 +1,6 @@
-"""Digests written as ``algorithm:hex`` (spec/digests.md): xxh3-128 by default, sha256 on request."""
+"""Digests written as ``algorithm:hex`` (spec/digests.md): xxh3-128 and sha256 of all the bytes ("flat"), and
+their tree forms ``xxh3-128-tree`` and ``sha256-tree`` (spec/tree-digests.md, format 1.3), derived from the digests
+of 64 KiB pieces so that a writer or a verifier hashes each byte once. The default is ``xxh3-128-tree``."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import xxhash
 
 from .errors import UsageError
 
-DEFAULT_ALGORITHM = "xxh3-128"
-ALGORITHMS: dict[str, int] = {"xxh3-128": 32, "sha256": 64}  # name -> hex length
+DEFAULT_ALGORITHM = "xxh3-128-tree"
+FLAT_ALGORITHMS: dict[str, int] = {"xxh3-128": 32, "sha256": 64}  # name -> hex length
+TREE_SUFFIX = "-tree"
+ALGORITHMS: dict[str, int] = {**FLAT_ALGORITHMS, **{a + TREE_SUFFIX: n for a, n in FLAT_ALGORITHMS.items()}}
 _HEX = re.compile(r"[0-9a-f]+")
 
 
@@ -21,7 +25,22 @@ class Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
+def is_tree(algorithm: str) -> bool:
+    return algorithm.endswith(TREE_SUFFIX)
+
+
+def base_algorithm(algorithm: str) -> str:
+    """The flat algorithm a tree algorithm hashes its pieces and leaves with (itself for a flat one)."""
+    return algorithm.removesuffix(TREE_SUFFIX)
+
+
 def new_hasher(algorithm: str) -> Hasher:
+    """A hasher of a whole file's bytes under ``algorithm``: for a tree algorithm, the file digest of a data file
+    (the digest of a chunk's bytes under a tree algorithm is ``tree_digests.chunk_digest_of``)."""
+    if is_tree(algorithm) and base_algorithm(algorithm) in FLAT_ALGORITHMS:
+        from .tree_digests import FileTreeHasher  # the tree module builds on this one
+
+        return FileTreeHasher(algorithm)
     if algorithm == "xxh3-128":
         return xxhash.xxh3_128()
     if algorithm == "sha256":

@@ -25,6 +25,7 @@ FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 RAW_VERSION = f"{FORMAT_MAJOR}.0"  # VER-1: what a checkpoint whose chunks are all raw says (a valid 1.0 one)
 ENCODED_VERSION = f"{FORMAT_MAJOR}.1"  # VER-1: what a checkpoint with an encoded chunk says (spec/codecs.md)
 BLOCKS_VERSION = f"{FORMAT_MAJOR}.2"  # VER-1: what a checkpoint with block digests says (spec/blocks.md)
+TREE_VERSION = f"{FORMAT_MAJOR}.3"  # VER-1: what a checkpoint with a tree digest says (spec/tree-digests.md)
 MAX_MANIFEST_BYTES = 256 << 20
 RAW = "raw"
 

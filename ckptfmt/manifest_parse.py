@@ -19,7 +19,7 @@ from . import dtypes, paths
 from .blocks import Blocks
 from .blocks import problem as block_problem
 from .canonical import manifest_bytes
-from .digests import ALGORITHMS, parse_digest
+from .digests import ALGORITHMS, is_tree, parse_digest
 from .errors import (
     ChunkLayoutError,
     ManifestError,
@@ -604,6 +604,9 @@ def parse_manifest(data: bytes) -> Manifest:
     fields = {name: _parse_field(name, raw, sizes, refs) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
     _check_chunk_keys(fields)
+    _check_tree_files(
+        (*files, *(FileRecord(path=b.virtual(f.path), size=0, digest=f.digest) for b in bases for f in b.files)), fields
+    )
     return Manifest(
         profile=profile,
         files=files,
@@ -627,6 +630,19 @@ def _check_profile(profile: str, fields: Mapping[str, FieldRecord]) -> None:
                 f"profile {profile!r} requires field {name!r} of kind {kind!r}, found kind {record.kind!r}",
                 field=name,
                 requirement="PRO-3",
+            )
+
+
+def _check_tree_files(files: tuple[FileRecord, ...], fields: Mapping[str, FieldRecord]) -> None:
+    """A file tree digest's segments are the entries of a data file: a file without chunks has none (TRE-2)."""
+    holding = {c.path for f in fields.values() for t in f.tensors.values() for c in t.chunks}
+    for record in files:
+        if is_tree(record.digest.partition(":")[0]) and record.path not in holding:
+            raise ManifestError(
+                f"file digest {record.digest.partition(':')[0]!r} is a tree digest, but no chunk is placed in the file"
+                " (a tree digest is a data file's)",
+                path=record.path,
+                requirement="TRE-2",
             )
 
 

@@ -23,12 +23,14 @@ import numpy as np
 from . import chunks as geometry
 from . import layout
 from .codecs import WriteCodec, writer_codec
+from .digests import algorithm_of, is_tree
 from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
 from .manifest import (
     BLOCKS_VERSION,
     ENCODED_VERSION,
     RAW,
     RAW_VERSION,
+    TREE_VERSION,
     ChunkDict,
     ChunkRecord,
     FieldRecord,
@@ -455,8 +457,16 @@ def merge_results(
             )
     chunks = [c for f in fields.values() for t in f.tensors.values() for c in t.chunks]
     encoded = any(c.codec.name != RAW for c in chunks)
+    digests = [*(c.digest for c in chunks), *(f.digest for f in files.values())]
+    digests += [f.digest for b in bases.values() for f in b.files]
     version = (
-        BLOCKS_VERSION if any(c.blocks is not None for c in chunks) else ENCODED_VERSION if encoded else RAW_VERSION
+        TREE_VERSION
+        if any(is_tree(algorithm_of(d)) for d in digests)
+        else BLOCKS_VERSION
+        if any(c.blocks is not None for c in chunks)
+        else ENCODED_VERSION
+        if encoded
+        else RAW_VERSION
     )
     used = {(c.base, c.stored_path) for c in chunks if c.base is not None}
     listed = {(b.location, f.path) for b in bases.values() for f in b.files}

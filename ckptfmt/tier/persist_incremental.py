@@ -26,6 +26,7 @@ from collections.abc import Collection
 
 from ..chain import SINCE_FULL, depth_of, next_depth
 from ..convert.native import reencoded_provenance
+from ..digests import DEFAULT_ALGORITHM, algorithm_of, is_tree
 from ..errors import CheckpointError, CheckpointExistsError
 from ..incremental import RawDigests, log_referenced
 from ..manifest import Manifest
@@ -116,7 +117,7 @@ class IncrementalPersist:
                 return CheckpointWriter(
                     store,
                     profile=ckpt.profile,
-                    digest=manifest.files[0].digest.partition(":")[0] if manifest.files else "xxh3-128",
+                    digest=_algorithm(manifest),
                     codec=codec,
                     metadata={**manifest.metadata, SINCE_FULL: str(depth)},
                     base=base,
@@ -164,3 +165,9 @@ def _copy_into(writer: CheckpointWriter, ckpt: Checkpoint, manifest: Manifest, t
         if record.context is not None and fname != "provenance":
             writer.write_context(fname, ckpt.read_context(fname))
     writer.write_context("provenance", reencoded_provenance(ckpt))
+
+
+def _algorithm(manifest: Manifest) -> str:
+    """The snapshot's digest algorithm, that of its data files (its context blobs' is flat under a tree one)."""
+    found = [algorithm_of(f.digest) for f in manifest.files]
+    return next((a for a in found if is_tree(a)), found[0] if found else DEFAULT_ALGORITHM)
