@@ -16,6 +16,7 @@ from typing import Literal, TypedDict
 from . import dtypes
 from .blocks import Blocks, BlocksDict
 from .canonical import manifest_bytes
+from .digests import DEFAULT_ALGORITHM, is_tree
 from .references import BaseRecord, extension_dict, virtual_path
 
 FORMAT_NAME = "ckptfmt"
@@ -234,6 +235,13 @@ class Manifest:
             if record.path == path:
                 return record
         raise KeyError(path)
+
+    @property
+    def digest_algorithm(self) -> str:
+        """The algorithm its writer was asked for: its data files' tree one if any (its context blobs are then flat,
+        spec/tree-digests.md), else its first file's; the default for a manifest without files."""
+        found = [f.digest.partition(":")[0] for f in self.files]
+        return next((a for a in found if is_tree(a)), found[0] if found else DEFAULT_ALGORITHM)
 
     @property
     def total_bytes(self) -> int:

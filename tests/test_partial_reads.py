@@ -38,10 +38,12 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int, in
     yield seen
 
 
-def _write(root: Path | str, *, block_bytes: int | None = 4096, parts: int = 1) -> np.ndarray[Any, Any]:
+def _write(
+    root: Path | str, *, block_bytes: int | None = 4096, parts: int = 1, digest: str = "xxh3-128"
+) -> np.ndarray[Any, Any]:
     full = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
     step = ROWS // parts
-    with ckptfmt.open_writer(root, profile="weights", block_bytes=block_bytes) as w:
+    with ckptfmt.open_writer(root, profile="weights", block_bytes=block_bytes, digest=digest) as w:
         for p in range(parts):
             w.write_tensor(
                 "weights", "emb", full[p * step : (p + 1) * step], global_shape=full.shape, offsets=(p * step, 0)

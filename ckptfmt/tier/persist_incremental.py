@@ -26,7 +26,6 @@ from collections.abc import Collection
 
 from ..chain import SINCE_FULL, depth_of, next_depth
 from ..convert.native import reencoded_provenance
-from ..digests import DEFAULT_ALGORITHM, algorithm_of, is_tree
 from ..errors import CheckpointError, CheckpointExistsError
 from ..incremental import RawDigests, log_referenced
 from ..manifest import Manifest
@@ -117,7 +116,7 @@ class IncrementalPersist:
                 return CheckpointWriter(
                     store,
                     profile=ckpt.profile,
-                    digest=_algorithm(manifest),
+                    digest=manifest.digest_algorithm,
                     codec=codec,
                     metadata={**manifest.metadata, SINCE_FULL: str(depth)},
                     base=base,
@@ -165,9 +164,3 @@ def _copy_into(writer: CheckpointWriter, ckpt: Checkpoint, manifest: Manifest, t
         if record.context is not None and fname != "provenance":
             writer.write_context(fname, ckpt.read_context(fname))
     writer.write_context("provenance", reencoded_provenance(ckpt))
-
-
-def _algorithm(manifest: Manifest) -> str:
-    """The snapshot's digest algorithm, that of its data files (its context blobs' is flat under a tree one)."""
-    found = [algorithm_of(f.digest) for f in manifest.files]
-    return next((a for a in found if is_tree(a)), found[0] if found else DEFAULT_ALGORITHM)
