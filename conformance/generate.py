@@ -27,6 +27,8 @@ from .invalid_ranks import ranks_input
 from .invalid_references import RUNS, Base, chain_input, ref_weights_input
 from .invalid_references import VECTORS as REFERENCE_VECTORS
 from .invalid_tensors import VECTORS as TENSOR_VECTORS
+from .invalid_tree import VECTORS as TREE_VECTORS
+from .invalid_tree import tree_input, weights_tree
 from .mutations import Tree
 from .reference_writer import write
 from .scenarios import SCENARIOS
@@ -41,6 +43,7 @@ INVALID = (
     *RANK_VECTORS,
     *BLOCK_VECTORS,
     *REFERENCE_VECTORS,
+    *TREE_VECTORS,
 )
 BASES = {
     "weights": weights_base,
@@ -50,6 +53,8 @@ BASES = {
     "blocks": blocks_input,
     "ref-weights": ref_weights_input,
     "ref-chain": chain_input,
+    "tree": tree_input,
+    "weights-tree": weights_tree,
 }
 
 
