@@ -1,7 +1,7 @@
 """CPU-seconds per GiB of a save, a memory snapshot and a verify, against one xxh3 pass and one copy of the same
 bytes: how many passes over each byte each one costs (issue 44's "one pass per byte", before and after).
 
-    python bench/cpu_per_gib.py [--mib 1024] [--repeat 3] [--dir DIR] [--json FILE]
+    python bench/cpu_per_gib.py [--mib 1024] [--repeat 3] [--dir DIR] [--json FILE] [--digest ALGORITHM]
 
 One process, fp32 tensors of ``--mib`` MiB in all (16 tensors), on the local disk under ``--dir`` (default: a
 temporary directory under bench/out) and the memory tier in /dev/shm. CPU time is the process's (every thread:
@@ -12,6 +12,10 @@ temporary directory under bench/out) and the memory tier in /dev/shm. CPU time i
 - ``save``: ``ckptfmt.open_writer`` of the tensors, committed (O_DIRECT writes, block digests, the file digests);
 - ``snapshot``: ``CheckpointManager`` with the memory tier, one snapshot, waited for (copy, digests, slot write);
 - ``verify``: ``ckptfmt.verify`` of the saved checkpoint, its files in the page cache (the hashing alone).
+
+``--digest``: the digest algorithm of every write, the save's and the snapshot's (default: the library's,
+``xxh3-128-tree`` since format 1.3; ``xxh3-128`` writes the flat digests of 1.2, which hash each byte twice or three
+times: before and after issue 44 in one run).
 
 Each row also reads as "xxh3 passes": its CPU time over the xxh3 floor's. Figures depend on the machine; they go to
 docs/benchmarks.md with the command and commit.
@@ -57,7 +61,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--digest", default=None, help="the writers' digest algorithm (default: the library's)")
     args = p.parse_args()
+    if args.digest is not None:  # every writer, the snapshot's included, takes its default from here
+        defaults = ckptfmt.CheckpointWriter.__init__.__kwdefaults__
+        assert defaults is not None
+        defaults["digest"] = args.digest
+    chosen = {} if args.digest is None else {"digest": args.digest}
     base = args.dir or Path(__file__).resolve().parent / "out"
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="cpu-per-gib-", dir=base))
@@ -80,7 +90,7 @@ def main() -> None:
         saved = work / "ckpt"
 
         def save() -> None:
-            with ckptfmt.open_writer(str(saved), profile="weights") as w:
+            with ckptfmt.open_writer(str(saved), profile="weights", **chosen) as w:
                 for name, array in arrays.items():
                     w.write_tensor("weights", name, array)
                 w.write_context("provenance", {"bench": "cpu_per_gib"})
@@ -111,8 +121,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
     floor = figures["xxh3"]
+    digest = args.digest or ckptfmt.CheckpointWriter.__init__.__kwdefaults__["digest"]  # type: ignore[index]
     print(
-        f"{gib:.2f} GiB of fp32 tensors, {TENSORS} tensors; CPU seconds per GiB (every thread), median of {args.repeat}"
+        f"{gib:.2f} GiB of fp32 tensors, {TENSORS} tensors, {digest} digests; CPU seconds per GiB (every thread), "
+        f"median of {args.repeat}"
     )
     print()
     print("| work | CPU s / GiB | xxh3 passes |")

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TypedDict
 
-from .digests import ALGORITHMS, base_algorithm, format_digest, new_hasher
+from .digests import ALGORITHMS, base_algorithm, format_digest, hex_digest_function, new_hasher
 
 MIN_BLOCK_BYTES = 1 << 12  # BLK-1: a page
 MAX_BLOCK_BYTES = 1 << 30
@@ -98,16 +98,23 @@ class BlockHasher:
         self._hasher = new_hasher(self.algorithm)
         self._filled = 0
         self._parts: list[str] = []
+        self._whole = hex_digest_function(self.algorithm)
 
     def update(self, data: memoryview) -> None:
-        at = 0
-        while at < len(data):
-            take = min(self.size - self._filled, len(data) - at)
-            self._hasher.update(data[at : at + take])
-            self._filled += take
-            at += take
-            if self._filled == self.size:
+        at, end, size = 0, len(data), self.size
+        if self._filled:  # the rest of a block an earlier slice began
+            at = min(size - self._filled, end)
+            self._hasher.update(data[:at])
+            self._filled += at
+            if self._filled == size:
                 self._finish_block()
+        whole = self._whole  # whole blocks in one call each: no hasher object per block (a tree's 64 KiB pieces)
+        while end - at >= size:
+            self._parts.append(whole(data[at : at + size]))
+            at += size
+        if at < end:
+            self._hasher.update(data[at:])
+            self._filled += end - at
 
     def _finish_block(self) -> None:
         self._parts.append(format_digest(self.algorithm, self._hasher).partition(":")[2])

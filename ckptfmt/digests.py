@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import Protocol
 
 import xxhash
@@ -46,6 +47,15 @@ def new_hasher(algorithm: str) -> Hasher:
     if algorithm == "sha256":
         return hashlib.sha256()
     raise UsageError(f"unknown digest algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+
+
+def hex_digest_function(algorithm: str) -> Callable[[bytes | memoryview], str]:
+    """The hex digits of a flat algorithm's digest of some bytes, in one call (no hasher object)."""
+    if algorithm == "xxh3-128":
+        return xxhash.xxh3_128_hexdigest
+    if algorithm == "sha256":
+        return lambda data: hashlib.sha256(data).hexdigest()
+    raise UsageError(f"no flat digest algorithm {algorithm!r}")
 
 
 def digest_of(algorithm: str, data: bytes | memoryview) -> str:
