@@ -274,3 +274,17 @@ def test_a_tree_digest_on_a_file_without_chunks_is_refused() -> None:
     with pytest.raises(ManifestError) as info:
         parse_manifest(raw.read_bytes())
     assert info.value.requirement == "TRE-2" and info.value.path == "provenance/context.msgpack"
+
+
+def test_a_broken_header_is_reported_and_every_chunk_still_checked_from_its_bytes(tmp_path: Path) -> None:
+    """The file tree's pieces follow the header: with the header refused (SAF-16), verification reports it and the
+    file digest, and checks each chunk from its own bytes (which are intact)."""
+    doc = _write(str(tmp_path), {"big": np.arange(L, dtype=np.float32), "small": np.ones(3, np.float32)})
+    path = next(r["path"] for r in doc["files"] if r["path"].endswith(".safetensors"))
+    data = bytearray((tmp_path / path).read_bytes())
+    data[8] = ord(" ")  # the header no longer begins with "{"
+    (tmp_path / path).write_bytes(bytes(data))
+    report = ckptfmt.verify(str(tmp_path))
+    assert {p.requirement for p in report.problems} == {"SAF-16", "DIG-4"}
+    assert [p.tensor for p in report.problems if p.requirement == "DIG-4"] == [None]  # the file's, no chunk's
+    assert report.chunks_checked == 2
