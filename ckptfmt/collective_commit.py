@@ -37,7 +37,7 @@ from .bases import check_bases_still_there
 from .collective import Collective, decode_status, encode_status
 from .commit import Committer
 from .decide import decide
-from .digests import algorithm_of, digest_of
+from .digests import algorithm_of
 from .errors import (
     CheckpointError,
     CollectiveError,
@@ -52,6 +52,7 @@ from .manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest
 from .manifest_parse import parse_manifest
 from .plan import RankResult, merge_results
 from .storage import Store
+from .tree_digests import file_digest_of
 
 log = logging.getLogger("ckptfmt")
 
@@ -460,7 +461,7 @@ def check_visible(store: Store, results: Sequence[RankResult], *, leader: int = 
             if result.rank != leader and size <= RECHECK_BYTES:
                 # Small files (context blobs, small data files) cost a read each: their digests are checked too.
                 # Larger data files' digests are the ranks' word; re-reading them would double a save's I/O.
-                got = digest_of(algorithm_of(record.digest), store.read(record.path, max_size=RECHECK_BYTES))
+                got = file_digest_of(algorithm_of(record.digest), store.read(record.path, max_size=RECHECK_BYTES))
                 if got != record.digest:
                     raise DigestMismatchError(
                         f"hashes to {got} for the coordinator, rank {result.rank} reported {record.digest}",

@@ -36,12 +36,7 @@ def base_algorithm(algorithm: str) -> str:
 
 
 def new_hasher(algorithm: str) -> Hasher:
-    """A hasher of a whole file's bytes under ``algorithm``: for a tree algorithm, the file digest of a data file
-    (the digest of a chunk's bytes under a tree algorithm is ``tree_digests.chunk_digest_of``)."""
-    if is_tree(algorithm) and base_algorithm(algorithm) in FLAT_ALGORITHMS:
-        from .tree_digests import FileTreeHasher  # the tree module builds on this one
-
-        return FileTreeHasher(algorithm)
+    """A hasher of a flat algorithm (a file's digest under any algorithm: ``tree_digests.file_hasher``)."""
     if algorithm == "xxh3-128":
         return xxhash.xxh3_128()
     if algorithm == "sha256":

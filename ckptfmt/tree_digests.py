@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 
 from .blocks import BlockHasher
-from .digests import base_algorithm, digest_of, is_tree, new_hasher
+from .digests import Hasher, base_algorithm, digest_of, format_digest, is_tree, new_hasher
 from .errors import SafetensorsHeaderError
 from .safetensors_io import MAX_HEADER_BYTES, header_entries
 
@@ -81,6 +81,18 @@ def chunk_digest_of(algorithm: str, data: bytes | memoryview) -> str:
     result = chunk_digest_from_pieces(algorithm, len(data), pieces.finish().digests)
     assert result is not None
     return result
+
+
+def file_hasher(algorithm: str) -> Hasher:
+    """A hasher of a whole file's bytes, in order, under ``algorithm``: flat, or a data file's file tree digest."""
+    return FileTreeHasher(algorithm) if is_tree(algorithm) else new_hasher(algorithm)
+
+
+def file_digest_of(algorithm: str, data: bytes | memoryview) -> str:
+    """The digest of a whole file's bytes under ``algorithm`` (a file record's, DIG-4, TRE-1)."""
+    hasher = file_hasher(algorithm)
+    hasher.update(data)
+    return format_digest(algorithm, hasher)
 
 
 class FileTreeHasher:
@@ -184,5 +196,7 @@ __all__ = [
     "chunk_digest_of",
     "chunk_tree_hex",
     "entry_digest",
+    "file_digest_of",
+    "file_hasher",
     "file_tree_hex",
 ]

@@ -20,12 +20,12 @@ import ckptfmt
 from ckptfmt.blocks import BlockHasher, Blocks
 from ckptfmt.blocks import problem as block_problem
 from ckptfmt.canonical import config_hash, manifest_bytes
-from ckptfmt.digests import digest_of, is_tree
+from ckptfmt.digests import is_tree
 from ckptfmt.errors import CheckpointError
 from ckptfmt.paths import check_path
 from ckptfmt.profiles import PROFILES
 from ckptfmt.quarantine import writer_problem
-from ckptfmt.tree_digests import chunk_digest_of
+from ckptfmt.tree_digests import chunk_digest_of, file_digest_of
 
 from .msgpack_scan import encoding_problems
 
@@ -317,7 +317,7 @@ def tree_digests(out: Output) -> list[str]:
         algorithm = record["digest"].partition(":")[0]
         if (
             is_tree(algorithm)
-            and (got := digest_of(algorithm, (out.root / record["path"]).read_bytes())) != (record["digest"])
+            and (got := file_digest_of(algorithm, (out.root / record["path"]).read_bytes())) != (record["digest"])
         ):
             problems.append(f"file {record['path']}: its tree digest is {got}, the manifest says {record['digest']}")
     for _, chunk in out.chunks():

@@ -36,6 +36,7 @@ import pytest
 import ckptfmt
 from ckptfmt.digests import base_algorithm, digest_of, parse_digest
 from ckptfmt.storage import Store
+from ckptfmt.tree_digests import file_digest_of
 
 # ---------------------------------------------------------------- backends
 
@@ -407,7 +408,7 @@ def forge_file(url: str, path: str, data: bytes) -> None:
             if record["path"] == path:
                 record["size"] = len(data)
                 algorithm = record["digest"].partition(":")[0]
-                record["digest"] = digest_of(algorithm, data)
+                record["digest"] = file_digest_of(algorithm, data)
                 if not parse_digest(record["digest"]):  # bytes that are no data file have no tree digest
                     record["digest"] = digest_of(base_algorithm(algorithm), data)
                 return

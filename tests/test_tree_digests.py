@@ -21,12 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.digests import digest_of, new_hasher
 from ckptfmt.errors import ManifestError
 from ckptfmt.manifest_parse import parse_manifest
 from ckptfmt.safetensors_io import build_header
 from ckptfmt.storage import open_store
-from ckptfmt.tree_digests import LEAF_BYTES, FileTreeHasher, chunk_digest_of
+from ckptfmt.tree_digests import LEAF_BYTES, FileTreeHasher, chunk_digest_of, file_digest_of, file_hasher
 
 ROOT = Path(__file__).resolve().parent.parent
 L = 1 << 16
@@ -89,8 +88,8 @@ def test_a_file_tree_digest_is_the_spec_s_recomputation_however_the_bytes_arrive
     data: bytes, algorithm: str, cuts: list[int]
 ) -> None:
     want = f"{algorithm}:{ref_file_tree(algorithm.removesuffix('-tree'), data).hex()}"
-    assert digest_of(algorithm, data) == want
-    hasher = new_hasher(algorithm)  # the hasher of a persist, a peer copy, a heal: slices cut anywhere
+    assert file_digest_of(algorithm, data) == want
+    hasher = file_hasher(algorithm)  # the hasher of a persist, a peer copy, a heal: slices cut anywhere
     at = 0
     for cut in sorted(c for c in cuts if c < len(data)):
         hasher.update(memoryview(data)[at:cut])
@@ -104,7 +103,7 @@ def test_a_file_tree_digest_is_the_spec_s_recomputation_however_the_bytes_arrive
 def test_a_flipped_byte_anywhere_changes_the_file_tree_digest(data: bytes, algorithm: str, where: float) -> None:
     flipped = bytearray(data)
     flipped[int(where * len(data))] ^= 0x01
-    assert digest_of(algorithm, bytes(flipped)) != digest_of(algorithm, data)
+    assert file_digest_of(algorithm, bytes(flipped)) != file_digest_of(algorithm, data)
 
 
 @settings(max_examples=30, deadline=None)
@@ -150,7 +149,7 @@ def test_the_spec_s_test_vectors() -> None:
         if kind == "chunk":
             assert chunk_digest_of(algorithm, inputs[what]) == f"{algorithm}:{hexpart}", what
         else:
-            assert digest_of(algorithm, smallest) == f"{algorithm}:{hexpart}"
+            assert file_digest_of(algorithm, smallest) == f"{algorithm}:{hexpart}"
 
 
 def _spec() -> str:
