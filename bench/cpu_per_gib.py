@@ -5,8 +5,8 @@ bytes: how many passes over each byte each one costs (issue 44's "one pass per b
 
 One process, fp32 tensors of ``--mib`` MiB in all (16 tensors), on the local disk under ``--dir`` (default: a
 temporary directory under bench/out) and the memory tier in /dev/shm. CPU time is the process's (every thread:
-``os.times``), and its user time alone (hashes and copies, without the kernel's I/O), the median of ``--repeat``;
-the floors are measured in the same run on the same bytes:
+``time.process_time``), and its user time alone (``getrusage``: hashes and copies, without the kernel's I/O), the
+median of ``--repeat``; the floors are measured in the same run on the same bytes:
 
 - ``xxh3``: one xxh3-128 pass over every byte (the digest ckptfmt writes), one thread;
 - ``copy``: one copy of every byte into memory that exists (what a snapshot's host copy is);
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import resource
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,10 @@ def cpu_seconds(
     for _ in range(repeat):
         if before is not None:
             before()
-        started = os.times()
+        started, started_user = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
         work()
-        ended = os.times()
-        times.append(ended.user + ended.system - started.user - started.system)
-        user.append(ended.user - started.user)
+        times.append(max(0.0, time.process_time() - started))
+        user.append(max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_utime - started_user))
     return statistics.median(times), statistics.median(user)
 
 
