@@ -67,11 +67,35 @@ def _flat_under_tree_name(t: Tree, where: str) -> None:
     t.edit(fn)
 
 
+def unplaced_copy(t: Tree) -> None:
+    """A copy of the data file listed under another path with its right file tree digest; no chunk is placed in it
+    (MAN-17 is a writer's rule: a reader does not refuse an extra listed file)."""
+    path = "extra/copy.safetensors"
+    data = t.read(DATA)
+    (t.root / "extra").mkdir()
+    (t.root / path).write_bytes(data)
+
+    def fn(doc: Json) -> None:
+        digest = next(r["digest"] for r in doc["files"] if r["path"] == DATA)
+        doc["files"].append({"digest": digest, "path": path, "size": len(data)})
+        doc["files"].sort(key=lambda r: r["path"])
+
+    t.edit(fn)
+
+
 def flat_under_tree_name(where: str) -> Mutation:
     return lambda t: _flat_under_tree_name(t, where)
 
 
 VECTORS: tuple[Invalid, ...] = (
+    Invalid(
+        "tree-digest-on-unplaced-file",
+        ("TRE-2",),
+        "A copy of the data file is listed as extra/copy.safetensors with its right file tree digest, and no chunk is "
+        "placed in it: only TRE-2 refuses it (its digest matches its bytes).",
+        unplaced_copy,
+        base="weights-tree",
+    ),
     Invalid(
         "tree-file-digest-flat-value",
         ("DIG-4",),
@@ -105,6 +129,7 @@ VECTORS: tuple[Invalid, ...] = (
         "The data file's digest is 'xxh3-128-tree:' and 31 hex digits.",
         respell("file", lambda d: d[:-1]),
         base="weights-tree",
+        also=("DIG-4",),  # 31 digits cannot be the file's digest
     ),
     Invalid(
         "tree-digest-uppercase",
@@ -112,6 +137,7 @@ VECTORS: tuple[Invalid, ...] = (
         "The data file's digest is its right xxh3-128-tree value in uppercase hex.",
         respell("file", lambda d: TREE + ":" + d.partition(":")[2].upper()),
         base="weights-tree",
+        also=("DIG-4",),  # a reader that compares digests as strings finds it differs
     ),
     Invalid(
         "tree-digest-unknown-form",
@@ -127,5 +153,6 @@ VECTORS: tuple[Invalid, ...] = (
         "of its bytes: its tree digest has no segments to be derived from.",
         flat_under_tree_name("blob"),
         base="weights-tree",
+        also=("DIG-4",),  # the blob's bytes are no data file: they have no tree digest to match
     ),
 )
