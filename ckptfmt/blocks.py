@@ -11,14 +11,15 @@ import re
 from dataclasses import dataclass
 from typing import TypedDict
 
-from .digests import format_digest, new_hasher
+from .digests import ALGORITHMS, base_algorithm, format_digest, hex_digest_function, new_hasher
 
 MIN_BLOCK_BYTES = 1 << 12  # BLK-1: a page
 MAX_BLOCK_BYTES = 1 << 30
 # 64 KiB: a partial read costs at most 128 KiB more than it needs (a tensor saved on 4 ranks and loaded on 3 reads
 # ~0.345 of it per rank with 1 MiB chunks), for 1/2048 of the data in the manifest (hex); block_bytes= trades them.
 DEFAULT_BLOCK_BYTES = 1 << 16
-HEX_DIGITS = {"xxh3-128": 32, "sha256": 64}
+# A block digest uses the flat algorithm of its chunk digest: the base of a tree one (spec/tree-digests.md).
+HEX_DIGITS = ALGORITHMS
 _LOWHEX = re.compile(r"[0-9a-f]*")
 
 
@@ -49,7 +50,7 @@ class Blocks:
 
     def digest(self, algorithm: str, index: int) -> str:
         width = HEX_DIGITS[algorithm]
-        return f"{algorithm}:{self.digests[index * width : (index + 1) * width]}"
+        return f"{base_algorithm(algorithm)}:{self.digests[index * width : (index + 1) * width]}"
 
     def covering(self, nbytes: int, lo: int, hi: int) -> tuple[int, int]:
         """The chunk-relative byte range ``[lo', hi')`` of the whole blocks that ``[lo, hi)`` touches."""
@@ -92,21 +93,28 @@ class BlockHasher:
     byte arrives, so the caller's slices may cut blocks anywhere."""
 
     def __init__(self, algorithm: str, size: int) -> None:
-        self.algorithm = algorithm
+        self.algorithm = base_algorithm(algorithm)
         self.size = size
-        self._hasher = new_hasher(algorithm)
+        self._hasher = new_hasher(self.algorithm)
         self._filled = 0
         self._parts: list[str] = []
+        self._whole = hex_digest_function(self.algorithm)
 
     def update(self, data: memoryview) -> None:
-        at = 0
-        while at < len(data):
-            take = min(self.size - self._filled, len(data) - at)
-            self._hasher.update(data[at : at + take])
-            self._filled += take
-            at += take
-            if self._filled == self.size:
+        at, end, size = 0, len(data), self.size
+        if self._filled:  # the rest of a block an earlier slice began
+            at = min(size - self._filled, end)
+            self._hasher.update(data[:at])
+            self._filled += at
+            if self._filled == size:
                 self._finish_block()
+        whole = self._whole  # whole blocks in one call each: no hasher object per block (a tree's 64 KiB pieces)
+        while end - at >= size:
+            self._parts.append(whole(data[at : at + size]))
+            at += size
+        if at < end:
+            self._hasher.update(data[at:])
+            self._filled += end - at
 
     def _finish_block(self) -> None:
         self._parts.append(format_digest(self.algorithm, self._hasher).partition(":")[2])

@@ -39,7 +39,7 @@ from .bases import check_bases_still_there
 from .collective import Collective, PeerChannel, decode_status, encode_status
 from .commit import Committer
 from .decide import decide
-from .digests import algorithm_of, digest_of
+from .digests import algorithm_of
 from .errors import (
     CheckpointError,
     CollectiveError,
@@ -55,6 +55,7 @@ from .manifest_parse import parse_manifest
 from .plan import RankResult, merge_results
 from .storage import Store
 from .store_reports import leader_of, ranks_of_store, read_store_parts, receive_reports, send_to_leader, store_part
+from .tree_digests import file_digest_of
 
 log = logging.getLogger("ckptfmt")
 
@@ -505,7 +506,7 @@ def check_visible(store: Store, results: Sequence[RankResult], *, leader: int = 
             if result.rank != leader and size <= RECHECK_BYTES:
                 # Small files (context blobs, small data files) cost a read each: their digests are checked too.
                 # Larger data files' digests are the ranks' word; re-reading them would double a save's I/O.
-                got = digest_of(algorithm_of(record.digest), store.read(record.path, max_size=RECHECK_BYTES))
+                got = file_digest_of(algorithm_of(record.digest), store.read(record.path, max_size=RECHECK_BYTES))
                 if got != record.digest:
                     raise DigestMismatchError(
                         f"hashes to {got} for the coordinator, rank {result.rank} reported {record.digest}",

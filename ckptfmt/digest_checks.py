@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from .blocks import HEX_DIGITS, BlockHasher
-from .digests import Hasher, algorithm_of, format_digest, new_hasher
+from .blocks import HEX_DIGITS, BlockHasher, Blocks
+from .digests import Hasher, algorithm_of, format_digest, is_tree, new_hasher
 from .errors import DigestMismatchError
 from .manifest import ChunkRecord
+from .tree_digests import LEAF_BYTES, chunk_digest_from_pieces
 
 
 class Span:
@@ -49,7 +50,9 @@ class Span:
         self.tensor = tensor
         algorithm = algorithm_of(chunk.digest)
         self.hasher: Hasher | BlockHasher
-        if first_block is None:
+        if first_block is None and is_tree(algorithm):
+            self.hasher = BlockHasher(algorithm, LEAF_BYTES)  # a chunk tree digest derives from its pieces'
+        elif first_block is None:
             self.hasher = new_hasher(algorithm)
         else:
             assert chunk.blocks is not None, "block digests checked for a chunk without blocks"
@@ -59,37 +62,13 @@ class Span:
         """Once every byte of the span is in: the error naming the first digest they do not hash to, or None."""
         chunk, algorithm = self.chunk, algorithm_of(self.chunk.digest)
         if isinstance(self.hasher, BlockHasher):
-            return self._block_mismatch(self.hasher)
-        actual = format_digest(algorithm, self.hasher)
-        if actual == chunk.digest:
-            return None
-        return DigestMismatchError(
-            f"chunk {chunk.key!r} bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
-            path=chunk.path,
-            field=self.field,
-            tensor=self.tensor,
-            requirement="DIG-4",
-        )
-
-    def _block_mismatch(self, hasher: BlockHasher) -> DigestMismatchError | None:
-        chunk, blocks, first = self.chunk, self.chunk.blocks, self.first_block or 0
-        assert blocks is not None
-        algorithm = algorithm_of(chunk.digest)
-        width = HEX_DIGITS[algorithm]
-        found = hasher.finish()
-        for i in range(len(found.digests) // width):
-            index = first + i
-            if found.digests[i * width : (i + 1) * width] != blocks.digests[index * width : (index + 1) * width]:
-                at = chunk.begin + index * blocks.size
-                return DigestMismatchError(
-                    f"chunk {chunk.key!r} block {index} (bytes [{at}, {min(at + blocks.size, chunk.end)})) hashes to "
-                    f"{found.digest(algorithm, i)}, manifest says {blocks.digest(algorithm, index)}",
-                    path=chunk.path,
-                    field=self.field,
-                    tensor=self.tensor,
-                    requirement=self.rule,
-                )
-        return None
+            found = self.hasher.finish()
+            if self.first_block is not None:
+                return block_mismatch(chunk, found, self.first_block, self.rule, self.field, self.tensor)
+            actual = chunk_digest_from_pieces(algorithm, chunk.nbytes, found.digests)
+        else:
+            actual = format_digest(algorithm, self.hasher)
+        return digest_mismatch(chunk, actual, self.field, self.tensor)
 
     def check(self, *views: memoryview) -> None:
         """Raise the mismatch of the span's bytes, ``views`` back to back, if there is one."""
@@ -98,6 +77,45 @@ class Span:
         error = self.mismatch()
         if error is not None:
             raise error
+
+
+def digest_mismatch(
+    chunk: ChunkRecord, actual: str | None, field: str | None, tensor: str | None
+) -> DigestMismatchError | None:
+    """DIG-4: the error for a chunk whose bytes hash to ``actual``, or None when that is its digest."""
+    if actual == chunk.digest:
+        return None
+    return DigestMismatchError(
+        f"chunk {chunk.key!r} bytes [{chunk.begin}, {chunk.end}) hash to {actual}, manifest says {chunk.digest}",
+        path=chunk.path,
+        field=field,
+        tensor=tensor,
+        requirement="DIG-4",
+    )
+
+
+def block_mismatch(
+    chunk: ChunkRecord, found: Blocks, first: int, rule: str, field: str | None, tensor: str | None
+) -> DigestMismatchError | None:
+    """The first of ``found`` (digests of ``chunk``'s blocks from block ``first`` on) that differs from the
+    manifest's, as the error naming it, or None."""
+    blocks = chunk.blocks
+    assert blocks is not None
+    algorithm = algorithm_of(chunk.digest)
+    width = HEX_DIGITS[algorithm]
+    for i in range(len(found.digests) // width):
+        index = first + i
+        if found.digests[i * width : (i + 1) * width] != blocks.digests[index * width : (index + 1) * width]:
+            at = chunk.begin + index * blocks.size
+            return DigestMismatchError(
+                f"chunk {chunk.key!r} block {index} (bytes [{at}, {min(at + blocks.size, chunk.end)})) hashes to "
+                f"{found.digest(algorithm, i)}, manifest says {blocks.digest(algorithm, index)}",
+                path=chunk.path,
+                field=field,
+                tensor=tensor,
+                requirement=rule,
+            )
+    return None
 
 
 class SpanHasher:

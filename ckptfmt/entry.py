@@ -9,6 +9,7 @@ from typing import Any
 
 from .blocks import DEFAULT_BLOCK_BYTES
 from .collective import Collective
+from .digests import DEFAULT_ALGORITHM
 from .incremental import RawDigests
 from .reader import Checkpoint, open_checkpoint, verify_url
 from .storage import open_store
@@ -23,7 +24,7 @@ def open_writer(
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     target_file_size: int = DEFAULT_TARGET_FILE_SIZE,
-    digest: str = "xxh3-128",
+    digest: str = DEFAULT_ALGORITHM,
     rank: int = 0,
     workers: int = 2,
     metadata: Mapping[str, str] | None = None,
@@ -41,7 +42,8 @@ def open_writer(
     ``codec``: None or ``"raw"`` stores raw chunks; ``"zstd"`` or ``"zstd:LEVEL"`` compresses floating-point
     chunks losslessly (spec/codecs.md; such a checkpoint is format 1.1). ``block_bytes``: raw chunks larger than
     this also get a digest per block, so a partial read checks exactly the blocks it reads (spec/blocks.md,
-    format 1.2); None writes none.
+    format 1.2); None writes none. ``digest``: ``xxh3-128-tree`` (default: each byte hashed once, format 1.3,
+    spec/tree-digests.md), ``sha256-tree``, or the flat ``xxh3-128`` / ``sha256`` that readers of 1.0 to 1.2 check.
 
     ``base``: an earlier checkpoint beside ``url`` (the same run directory; a URL or an open checkpoint): a chunk
     whose bytes equal the base's chunk of the same tensor, offsets and shape is recorded as a reference to it,

@@ -26,10 +26,11 @@ import numpy as np
 from .arrays import byte_view
 from .codecs.xor_zstd import MAX_DEPTH, BaseChunk, DeltaSource
 from .delta import chain_files
-from .digests import algorithm_of, digest_of
+from .digests import algorithm_of
 from .errors import UsageError
 from .manifest import RAW, ChunkRecord, FileRecord
 from .references import PARENT, BaseFile, BaseRecord, location_of, virtual_path
+from .tree_digests import chunk_digest_of
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
@@ -200,7 +201,7 @@ class BaseIndex:
             if raw is None:
                 return None
             self.stats.hashed_bytes += data.nbytes
-            if digest_of(algorithm_of(raw), byte_view(data)) != raw:
+            if chunk_digest_of(algorithm_of(raw), byte_view(data)) != raw:
                 return None
         if chunk.codec.name != RAW and raw is not None:
             self.referenced_raw[key] = raw

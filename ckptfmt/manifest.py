@@ -16,16 +16,18 @@ from typing import Literal, TypedDict
 from . import dtypes
 from .blocks import Blocks, BlocksDict
 from .canonical import manifest_bytes
+from .digests import DEFAULT_ALGORITHM, is_tree
 from .references import BaseRecord, extension_dict, virtual_path
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2  # each release adds conformance/golden/<version> (tests/test_golden.py)
+FORMAT_MINOR = 3  # each release adds conformance/golden/<version> (tests/test_golden.py)
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 RAW_VERSION = f"{FORMAT_MAJOR}.0"  # VER-1: what a checkpoint whose chunks are all raw says (a valid 1.0 one)
 ENCODED_VERSION = f"{FORMAT_MAJOR}.1"  # VER-1: what a checkpoint with an encoded chunk says (spec/codecs.md)
 BLOCKS_VERSION = f"{FORMAT_MAJOR}.2"  # VER-1: what a checkpoint with block digests says (spec/blocks.md)
 DELTA_VERSION = f"{FORMAT_MAJOR}.3"  # DLT-7: what a checkpoint with an xor-zstd chunk says (spec/delta.md)
+TREE_VERSION = f"{FORMAT_MAJOR}.3"  # VER-1: what a checkpoint with a tree digest says (spec/tree-digests.md)
 MAX_MANIFEST_BYTES = 256 << 20
 RAW = "raw"
 
@@ -234,6 +236,13 @@ class Manifest:
             if record.path == path:
                 return record
         raise KeyError(path)
+
+    @property
+    def digest_algorithm(self) -> str:
+        """The algorithm its writer was asked for: its data files' tree one if any (its context blobs are then flat,
+        spec/tree-digests.md), else its first file's; the default for a manifest without files."""
+        found = [f.digest.partition(":")[0] for f in self.files]
+        return next((a for a in found if is_tree(a)), found[0] if found else DEFAULT_ALGORITHM)
 
     @property
     def total_bytes(self) -> int:

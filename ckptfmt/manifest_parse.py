@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import chunks as geometry
@@ -19,7 +19,7 @@ from . import dtypes, paths
 from .blocks import Blocks
 from .blocks import problem as block_problem
 from .canonical import manifest_bytes
-from .digests import ALGORITHMS, parse_digest
+from .digests import ALGORITHMS, is_tree, parse_digest
 from .errors import (
     ChunkLayoutError,
     ManifestError,
@@ -604,6 +604,9 @@ def parse_manifest(data: bytes) -> Manifest:
     fields = {name: _parse_field(name, raw, sizes, refs) for name, raw in raw_fields.items()}
     _check_profile(profile, fields)
     _check_chunk_keys(fields)
+    _check_tree_files(
+        (*files, *(FileRecord(path=b.virtual(f.path), size=0, digest=f.digest) for b in bases for f in b.files)), fields
+    )
     return Manifest(
         profile=profile,
         files=files,
@@ -628,6 +631,35 @@ def _check_profile(profile: str, fields: Mapping[str, FieldRecord]) -> None:
                 field=name,
                 requirement="PRO-3",
             )
+
+
+def _check_tree_files(files: tuple[FileRecord, ...], fields: Mapping[str, FieldRecord]) -> None:
+    """A file tree digest's segments are the entries of a data file: a file without chunks has none (TRE-2)."""
+    chunks = [c for f in fields.values() for t in f.tensors.values() for c in t.chunks]
+    holding = {c.path for c in chunks} | {path for c in chunks for path in _delta_base_paths(c.codec)}
+    for record in files:
+        if is_tree(record.digest.partition(":")[0]) and record.path not in holding:
+            raise ManifestError(
+                f"file digest {record.digest.partition(':')[0]!r} is a tree digest, but no chunk is placed in the file"
+                " (a tree digest is a data file's)",
+                path=record.path,
+                requirement="TRE-2",
+            )
+
+
+def _delta_base_paths(codec: Codec) -> Iterator[str]:
+    """The base files an ``xor-zstd`` chunk's configuration names, at every depth (spec/delta.md), read leniently:
+    a malformed configuration refuses its tensor when read (DLT-1), not the checkpoint here."""
+    config = codec.configuration if codec.name == "xor-zstd" else None
+    for _ in range(16):  # deeper than DLT-3 allows: that chain is refused when read
+        chunk = config.get("chunk") if isinstance(config, Mapping) else None
+        base = config.get("base") if isinstance(config, Mapping) else None
+        if not isinstance(base, str) or not isinstance(chunk, Mapping):
+            return
+        if isinstance(chunk.get("path"), str):
+            yield virtual_path(base, chunk["path"])
+        inner = chunk.get("codec")
+        config = inner.get("configuration") if isinstance(inner, Mapping) and inner.get("name") == "xor-zstd" else None
 
 
 def _check_chunk_keys(fields: Mapping[str, FieldRecord]) -> None:

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 from .codecs.xor_zstd import NAME as XOR_ZSTD
 from .commit import Committer
 from .convert.base import Progress
-from .digests import algorithm_of, format_digest, new_hasher
+from .digests import algorithm_of, format_digest
 from .errors import DigestMismatchError, SizeMismatchError, UsageError
 from .layout import DATA_SUFFIX, data_path
 from .manifest import FieldRecord, FileRecord, Manifest, TensorRecord
 from .paths import MANIFEST_NAME
 from .storage import Store, open_store
+from .tree_digests import file_hasher
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
@@ -228,7 +229,7 @@ def _copy(
                 f"file has {actual} bytes, manifest says {record.size}", path=src_path, requirement="MAN-19"
             )
     algorithm = algorithm_of(record.digest)
-    hasher = new_hasher(algorithm)
+    hasher = file_hasher(algorithm)
     buffer = memoryview(bytearray(min(COPY_BUFFER, record.size)))
     out = dst.create(record.path)
     written.append(record.path)  # (list.append is atomic) aborting deletes it, whatever got written

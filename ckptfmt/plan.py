@@ -26,6 +26,7 @@ from .codecs import WriteCodec, writer_codec
 from .codecs.xor_zstd import NAME as XOR_ZSTD
 from .codecs.xor_zstd import DeltaSource, XorOptions
 from .delta import chain_files
+from .digests import algorithm_of, is_tree
 from .errors import ChunkLayoutError, ManifestError, MissingFieldError, UsageError
 from .manifest import (
     BLOCKS_VERSION,
@@ -33,6 +34,7 @@ from .manifest import (
     ENCODED_VERSION,
     RAW,
     RAW_VERSION,
+    TREE_VERSION,
     ChunkDict,
     ChunkRecord,
     FieldRecord,
@@ -490,8 +492,12 @@ def merge_results(
             )
     chunks = [c for f in fields.values() for t in f.tensors.values() for c in t.chunks]
     encoded = any(c.codec.name != RAW for c in chunks)
+    digests = [*(c.digest for c in chunks), *(f.digest for f in files.values())]
+    digests += [f.digest for b in bases.values() for f in b.files]
     version = (
-        DELTA_VERSION
+        TREE_VERSION
+        if any(is_tree(algorithm_of(d)) for d in digests)
+        else DELTA_VERSION
         if any(c.codec.name == XOR_ZSTD for c in chunks)
         else BLOCKS_VERSION
         if any(c.blocks is not None for c in chunks)

@@ -22,7 +22,7 @@ from . import dtypes
 from .bases import open_base
 from .context import decode
 from .digest_checks import check_chunk
-from .digests import algorithm_of, digest_of
+from .digests import algorithm_of
 from .errors import (
     CheckpointError,
     DigestMismatchError,
@@ -45,6 +45,7 @@ from .read_executor import ReadExecutor, default_workers
 from .read_plan import ReadPlan, Target, plan_read, whole
 from .storage import Store, open_store
 from .storage.routed import RoutedStore
+from .tree_digests import file_digest_of
 from .verify import VerifyReport, verify_checkpoint
 
 
@@ -239,7 +240,7 @@ class Checkpoint:
         data = self.store.read(path, max_size=record.size)  # a larger file is refused unread (MAN-19)
         if len(data) != record.size:
             raise SizeMismatchError(f"blob has {len(data)} bytes, manifest says {record.size}", path=path, field=field)
-        actual = digest_of(algorithm_of(record.digest), data)
+        actual = file_digest_of(algorithm_of(record.digest), data)
         if actual != record.digest:
             raise DigestMismatchError(f"blob hashes to {actual}, manifest says {record.digest}", path=path, field=field)
         value = decode(data, path=path, field=field)

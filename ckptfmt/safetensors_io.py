@@ -105,6 +105,19 @@ def _show(value: object) -> str:
 
 def parse_header(header: bytes, file_size: int, path: str) -> dict[str, HeaderEntry]:
     """Validate a header (the N bytes after the length prefix) against the file size."""
+    entries, cursor = header_entries(header, path)
+    if cursor != file_size:
+        raise SafetensorsHeaderError(
+            f"{file_size - cursor} bytes after the last tensor (data section must end the file)",
+            path=path,
+            requirement="SAF-11",
+        )
+    return entries
+
+
+def header_entries(header: bytes, path: str) -> tuple[dict[str, HeaderEntry], int]:
+    """Every check of :func:`parse_header` but the file's size: the entries, and where the data section ends
+    (the file's size, if the file is whole). A hasher that has seen only the head of a file needs this."""
     start = 8 + len(header)
     table = _load(header, path)
     meta = table.pop("__metadata__", {})  # present as null is not absent (SAF-12)
@@ -159,10 +172,4 @@ def parse_header(header: bytes, file_size: int, path: str) -> dict[str, HeaderEn
                 f"gap of {entry.begin - cursor} bytes before {entry.key!r}", path=path, requirement="SAF-11"
             )
         cursor = entry.end
-    if cursor != file_size:
-        raise SafetensorsHeaderError(
-            f"{file_size - cursor} bytes after the last tensor (data section must end the file)",
-            path=path,
-            requirement="SAF-11",
-        )
-    return entries
+    return entries, cursor

@@ -27,11 +27,12 @@ from . import dtypes
 from .arrays import byte_view
 from .blocks import BlockHasher, Blocks
 from .codecs import get_codec
-from .digests import digest_of, format_digest, new_hasher
+from .digests import base_algorithm, digest_of, format_digest, is_tree, new_hasher
 from .manifest import RAW, ChunkRecord, Codec, FileRecord
 from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
 from .storage import Store
+from .tree_digests import LEAF_BYTES, entry_digest, file_tree_hex
 
 # The unit of the write pass: each slice is hashed for the file, hashed for its chunk and handed to the store
 # while it is still in the CPU's cache (16 MiB slices had left it: their second and third passes went to memory
@@ -53,34 +54,55 @@ def stream_file(
 
     ``block_sizes`` gives, per chunk part, the block size of its block digests (None: none). Returns the file
     record and each chunk's ``(begin, end, digest, blocks)``, all hashed in the same pass, slice by slice.
+    Under a tree algorithm (spec/tree-digests.md) ``parts`` are a data file, its header then every entry, and each
+    byte is hashed once: into its 64 KiB piece, from which the chunk, block and file digests all derive.
     """
     out = store.create(path)
-    file_hash = new_hasher(algorithm)
+    tree = is_tree(algorithm)
+    assert not tree or chunk_parts == len(parts) - 1, "a tree digest is a data file's: its header, then entries"
+    file_hash = None if tree else new_hasher(algorithm)
+    leaves: list[tuple[int, str]] = []  # (length, entry digest) of each non-empty part, for the file tree
     spans: list[tuple[int, int, str, Blocks | None]] = []
     position = 0
     first_chunk = len(parts) - chunk_parts
     try:
         for index, part in enumerate(parts):
-            chunk_hash = new_hasher(algorithm) if index >= first_chunk else None
-            size = block_sizes[index - first_chunk] if chunk_hash is not None and block_sizes else None
-            blocks = BlockHasher(algorithm, size) if size is not None else None
+            is_chunk = index >= first_chunk
+            size = block_sizes[index - first_chunk] if is_chunk and block_sizes else None
+            pieces = BlockHasher(algorithm, LEAF_BYTES) if tree else None
+            chunk_hash = new_hasher(algorithm) if is_chunk and not tree else None
+            # blocks of another size than the pieces cost a hash pass of their own (spec/tree-digests.md)
+            blocks = BlockHasher(algorithm, size) if size is not None and (not tree or size != LEAF_BYTES) else None
+            found_blocks = None
+            digest = ""
             for lo in range(0, len(part), SLICE_BYTES):
                 piece = part[lo : lo + SLICE_BYTES]
-                file_hash.update(piece)
-                if chunk_hash is not None:
-                    chunk_hash.update(piece)
-                if blocks is not None:
-                    blocks.update(piece)
+                for hasher in (file_hash, pieces, chunk_hash, blocks):
+                    if hasher is not None:
+                        hasher.update(piece)
                 out.write(piece)
-            if chunk_hash is not None:
+            if pieces is not None:
+                found = pieces.finish()
+                digest = entry_digest(algorithm, len(part), found.digests)
+                if len(part):
+                    leaves.append((len(part), digest))
+                if blocks is None and size is not None:
+                    found_blocks = found  # blocks of the pieces' size are the pieces
+            elif chunk_hash is not None:
                 digest = format_digest(algorithm, chunk_hash)
-                spans.append((position, position + len(part), digest, None if blocks is None else blocks.finish()))
+            if is_chunk:
+                found_blocks = blocks.finish() if blocks is not None else found_blocks
+                spans.append((position, position + len(part), digest, found_blocks))
             position += len(part)
         out.commit()
     except BaseException:
         out.abort()
         raise
-    return FileRecord(path=path, size=position, digest=format_digest(algorithm, file_hash)), spans
+    if file_hash is None:
+        file_digest = f"{algorithm}:{file_tree_hex(algorithm, leaves)}"
+    else:
+        file_digest = format_digest(algorithm, file_hash)
+    return FileRecord(path=path, size=position, digest=file_digest), spans
 
 
 class WriteExecutor:
@@ -107,8 +129,9 @@ class WriteExecutor:
         self._inflight.append(self._pool.submit(self._write_data_file, plan, arrays))
 
     def write_blob(self, path: str, data: bytes) -> FileRecord:
-        """Write a small blob (a context map) synchronously."""
-        record, _ = stream_file(self.store, path, [memoryview(data)], chunk_parts=0, algorithm=self.algorithm)
+        """Write a small blob (a context map) synchronously: a flat digest, as it is no data file (TRE-2)."""
+        flat = base_algorithm(self.algorithm)
+        record, _ = stream_file(self.store, path, [memoryview(data)], chunk_parts=0, algorithm=flat)
         self._record(record)
         return record
 
@@ -149,7 +172,7 @@ class WriteExecutor:
             encoded = get_codec(e.codec.name).encode(
                 view, dtype=e.dtype, itemsize=dtypes.itemsize(e.dtype), options=e.codec.options
             )
-            raw_digest = digest_of(self.algorithm, view)
+            raw_digest = digest_of(base_algorithm(self.algorithm), view)  # a chunk's, never a file tree's
             with self._lock:
                 self.raw_digests[(e.field, e.tensor, e.offsets)] = raw_digest
             stored = encoded.parts[0] if len(encoded.parts) == 1 else b"".join(encoded.parts)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from .blocks import valid_size as valid_block_size
 from .codecs import WriteCodec
 from .collective import Collective
-from .digests import new_hasher
 from .errors import UsageError
 from .profiles import PROFILES
+from .tree_digests import file_hasher
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +59,7 @@ class WriteOptions:
             raise UsageError("target_file_size and workers must be positive, rank non-negative")
         if collective is not None and collective.rank != rank:
             rank = collective.rank
-        new_hasher(digest)  # fail early on an unknown algorithm
+        file_hasher(digest)  # fail early on an unknown algorithm
         if block_bytes is not None and not valid_block_size(block_bytes):
             raise UsageError(f"block_bytes must be a power of two from 4096 to 2**30 (or None), got {block_bytes!r}")
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):

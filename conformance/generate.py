@@ -29,6 +29,8 @@ from .invalid_ranks import ranks_input
 from .invalid_references import RUNS, Base, chain_input, ref_weights_input
 from .invalid_references import VECTORS as REFERENCE_VECTORS
 from .invalid_tensors import VECTORS as TENSOR_VECTORS
+from .invalid_tree import VECTORS as TREE_VECTORS
+from .invalid_tree import tree_input, weights_tree
 from .mutations import Tree
 from .reference_writer import write
 from .scenarios import SCENARIOS
@@ -44,6 +46,7 @@ INVALID = (
     *BLOCK_VECTORS,
     *REFERENCE_VECTORS,
     *DELTA_VECTORS,
+    *TREE_VECTORS,
 )
 BASES = {
     "weights": weights_base,
@@ -54,6 +57,8 @@ BASES = {
     "ref-weights": ref_weights_input,
     "ref-chain": chain_input,
     "delta": delta_input,
+    "tree": tree_input,
+    "weights-tree": weights_tree,
 }
 RUNS_OF = {**RUNS, "delta": DELTA_BASES}  # the checkpoints each base's run writes first
 

@@ -43,7 +43,7 @@ def _data_record(doc: Json) -> Json:
     return record
 
 
-def _respell(where: str, fn: Callable[[str], str]) -> Mutation:
+def respell(where: str, fn: Callable[[str], str]) -> Mutation:
     """A mutation that rewrites the digest of chunk w (``where="chunk"``) or of the data file's record."""
 
     def run(t: Tree) -> None:
@@ -85,25 +85,25 @@ DIGEST_SYNTAX: tuple[Invalid, ...] = (
         "digest-uppercase-sha256",
         ("DIG-3",),
         "Every digest in sha256; chunk w's is its right value in uppercase hex.",
-        chain(all_sha256, _respell("chunk", lambda d: "sha256:" + d.partition(":")[2].upper())),
+        chain(all_sha256, respell("chunk", lambda d: "sha256:" + d.partition(":")[2].upper())),
     ),
     Invalid(
         "digest-algorithm-uppercase",
         ("DIG-2",),
         "Every digest in sha256; the data file's is 'SHA256:' and its right value (names are case-sensitive).",
-        chain(all_sha256, _respell("file", lambda d: "SHA256:" + d.partition(":")[2])),
+        chain(all_sha256, respell("file", lambda d: "SHA256:" + d.partition(":")[2])),
     ),
     Invalid(
         "digest-trailing-newline",
         ("DIG-3",),
         "The data file's digest is its right xxh3-128 value followed by a newline.",
-        _respell("file", lambda d: d + "\n"),
+        respell("file", lambda d: d + "\n"),
     ),
     Invalid(
         "digest-hex-prefix",
         ("DIG-3",),
         "Chunk w's digest is its right xxh3-128 value written with a 0x prefix.",
-        _respell("chunk", lambda d: "xxh3-128:0x" + d.partition(":")[2]),
+        respell("chunk", lambda d: "xxh3-128:0x" + d.partition(":")[2]),
     ),
     Invalid(
         "digest-no-algorithm",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.canonical import manifest_bytes
-from ckptfmt.digests import digest_of
+from ckptfmt.tree_digests import file_digest_of
 
 MANIFEST = "manifest.json"
 Json = Any  # a parsed manifest: nested dicts and lists
@@ -73,7 +73,7 @@ class Tree:
                 if record["path"] == path:
                     algorithm = record["digest"].partition(":")[0]
                     record["size"] = len(data)
-                    record["digest"] = digest_of(algorithm, data)
+                    record["digest"] = file_digest_of(algorithm, data)
 
         self.edit(fix)
 

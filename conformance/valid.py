@@ -51,6 +51,7 @@ from .invalid_references import (
     same_key,
     shards_doc,
 )
+from .invalid_tree import tree_input
 from .mutations import Json, Tree
 
 
@@ -633,6 +634,24 @@ VALID: tuple[Valid, ...] = (
         post=lambda t: t.edit(lambda d: block_edge_cases(t, d)),
         writer=False,
         expect=lambda d: d.update(format_version="1.2"),
+    ),
+    Valid(
+        "tree",
+        ("TRE-1", "TRE-3", "DIG-1", "BLK-6", "VER-1"),
+        "Tree digests (hint digest xxh3-128-tree, blocks of the default 64 KiB): a chunk of a full and a short "
+        "piece with block digests and a chunk tree digest, small and empty chunks with flat digests; the data file's "
+        "file tree digest, the provenance blob's flat one; format_version 1.3.",
+        tree_input,
+        expect=lambda d: d.update(format_version="1.3"),
+    ),
+    Valid(
+        "tree-sha256-small-blocks",
+        ("TRE-1", "TRE-3", "BLK-2", "BLK-6"),
+        "The tree vector under sha256-tree with block digests of 4096 bytes (not the pieces' size): block digests of "
+        "64 sha256 digits beside sha256-tree chunk and file digests.",
+        lambda: tree_input("sha256-tree", 4096),
+        writer=False,
+        expect=lambda d: d.update(format_version="1.3"),
     ),
     Valid(
         "ref-weights",

@@ -20,14 +20,16 @@ import ckptfmt
 from ckptfmt.blocks import BlockHasher, Blocks
 from ckptfmt.blocks import problem as block_problem
 from ckptfmt.canonical import config_hash, manifest_bytes
+from ckptfmt.digests import is_tree
 from ckptfmt.errors import CheckpointError
 from ckptfmt.paths import check_path
 from ckptfmt.profiles import PROFILES
 from ckptfmt.quarantine import writer_problem
+from ckptfmt.tree_digests import chunk_digest_of, file_digest_of
 
 from .msgpack_scan import encoding_problems
 
-DIGEST = re.compile(r"(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})")
+DIGEST = re.compile(r"(xxh3-128(-tree)?:[0-9a-f]{32}|sha256(-tree)?:[0-9a-f]{64})")
 DATA_NAME = re.compile(r"([a-z][a-z0-9_]{0,63})/r[0-9]{5,}-[0-9]{5,}\.safetensors")
 ID_IN_OUTPUT = re.compile(r"sha256:[0-9a-f]{64}")
 REFERENCES = "ckptfmt.references"
@@ -133,7 +135,9 @@ def digests(out: Output) -> list[str]:
     values = [r["digest"] for r in out.manifest["files"]] + [c["digest"] for _, _, c in out.all_chunks()]
     values += [f["digest"] for b in out.base_records() for f in b.get("files", [])]
     return [
-        f"digest {d!r} is not xxh3-128 or sha256 in canonical form" for d in values if DIGEST.fullmatch(str(d)) is None
+        f"digest {d!r} is not xxh3-128, sha256 or their tree forms in canonical form"
+        for d in values
+        if DIGEST.fullmatch(str(d)) is None
     ]
 
 
@@ -261,10 +265,16 @@ def profile_fields(out: Output) -> list[str]:
 
 
 def expected_version(manifest: dict[str, Any]) -> str:
-    """The ``format_version`` VER-1 asks of a writer for this manifest: 1.3 with delta chunks (DLT-7), 1.2 with block
-    digests, 1.1 with codecs."""
+    """The ``format_version`` VER-1 asks of a writer for this manifest: 1.3 with a tree digest or delta chunks
+    (DLT-7), 1.2 with block digests, 1.1 with codecs."""
     chunks = [c for f in manifest["fields"].values() for t in f.get("tensors", {}).values() for c in t["chunks"]]
-    if any(c.get("codec", {}).get("name") == "xor-zstd" for c in chunks):
+    written = [r["digest"] for r in manifest["files"]] + [c["digest"] for c in chunks]
+    for extension in manifest.get("extensions", []):
+        if extension.get("name") == "ckptfmt.references":
+            written += [f["digest"] for b in extension["configuration"]["bases"] for f in b["files"]]
+    if any(is_tree(str(d).partition(":")[0]) for d in written) or any(
+        c.get("codec", {}).get("name") == "xor-zstd" for c in chunks
+    ):
         return "1.3"
     if any("blocks" in c for c in chunks):
         return "1.2"
@@ -299,6 +309,26 @@ def block_digests(out: Output) -> list[str]:
             for i in range(actual.count(end - begin))
             if (got := actual.digest(algorithm, i)) != (said := written.digest(algorithm, i))
         ]
+    return problems
+
+
+def tree_digests(out: Output) -> list[str]:
+    """TRE-1: every tree digest written is the value spec/tree-digests.md defines (a file's, of a data file)."""
+    problems = []
+    for record in out.manifest["files"]:
+        algorithm = record["digest"].partition(":")[0]
+        if (
+            is_tree(algorithm)
+            and (got := file_digest_of(algorithm, (out.root / record["path"]).read_bytes())) != (record["digest"])
+        ):
+            problems.append(f"file {record['path']}: its tree digest is {got}, the manifest says {record['digest']}")
+    for _, chunk in out.chunks():
+        algorithm = chunk["digest"].partition(":")[0]
+        if is_tree(algorithm):
+            begin, end = chunk["range"]
+            got = chunk_digest_of(algorithm, (out.root / chunk["path"]).read_bytes()[begin:end])
+            if got != chunk["digest"]:
+                problems.append(f"chunk {chunk['key']!r} of {chunk['path']}: its tree digest is {got}")
     return problems
 
 
@@ -424,6 +454,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("PRO-2", profile_fields),
     ("VER-1", version),
     ("BLK-4", block_digests),
+    ("TRE-1", tree_digests),
     ("REF-11", references_recorded),
     ("REF-12", references_match),
     ("COM-13", lock_removed),

@@ -34,8 +34,9 @@ import numpy as np
 import pytest
 
 import ckptfmt
-from ckptfmt.digests import digest_of
+from ckptfmt.digests import base_algorithm, digest_of, parse_digest
 from ckptfmt.storage import Store
+from ckptfmt.tree_digests import file_digest_of
 
 # ---------------------------------------------------------------- backends
 
@@ -406,7 +407,10 @@ def forge_file(url: str, path: str, data: bytes) -> None:
         for record in doc["files"]:
             if record["path"] == path:
                 record["size"] = len(data)
-                record["digest"] = digest_of(record["digest"].partition(":")[0], data)
+                algorithm = record["digest"].partition(":")[0]
+                record["digest"] = file_digest_of(algorithm, data)
+                if not parse_digest(record["digest"]):  # bytes that are no data file have no tree digest
+                    record["digest"] = digest_of(base_algorithm(algorithm), data)
                 return
         raise AssertionError(f"{path} not in the manifest")
 

@@ -20,7 +20,10 @@ def test_the_bench_measures_every_row_and_leaves_nothing_behind(tmp_path: Path) 
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    figures = json.loads(out.read_text())["cpu_s_per_gib"]
-    assert set(figures) == {"xxh3", "copy", "save", "snapshot", "verify"}
-    assert all(v >= 0 for v in figures.values())
+    report = json.loads(out.read_text())
+    for key in ("cpu_s_per_gib", "user_s_per_gib"):
+        figures = report[key]
+        assert set(figures) == {"xxh3", "copy", "hashes", "save", "snapshot", "verify"}
+        assert all(v >= 0 for v in figures.values())
+    assert report["digest"] == "xxh3-128-tree"  # the library's default
     assert list((tmp_path / "w").iterdir()) == []  # its checkpoint and run directory removed

@@ -32,7 +32,7 @@ def test_json_shape(ckpt: str, runner: str) -> None:
     doc = run.json()
     keys_of(doc, DOC_KEYS)
     assert "tensors" not in doc
-    assert doc["status"] == "committed" and doc["profile"] == "training" and doc["format_version"] == "1.0"
+    assert doc["status"] == "committed" and doc["profile"] == "training" and doc["format_version"] == "1.3"
     assert doc["step"] == 1234 and doc["code_commit"] == "abc123" and doc["created_at"] == "2026-01-02T03:04:05Z"
     assert doc["checkpoint_id"].startswith("sha256:")
     assert set(doc["fields"]) == {"weights", "optimizer", "rng", "data", "config", "topology", "provenance"}

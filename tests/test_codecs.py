@@ -19,8 +19,11 @@ from ckptfmt.storage import open_store
 from ckptfmt.writer import CheckpointWriter
 
 
-def _save(path: Path, tensors: dict[str, np.ndarray], codec: str | None = "zstd") -> ckptfmt.Checkpoint:
-    with CheckpointWriter(open_store(str(path)), profile="weights", codec=codec) as w:
+def _save(
+    path: Path, tensors: dict[str, np.ndarray], codec: str | None = "zstd", digest: str = "xxh3-128"
+) -> ckptfmt.Checkpoint:
+    """Flat digests unless asked: VER-1's versions of codecs are 1.1 and 1.0 without tree digests (1.3)."""
+    with CheckpointWriter(open_store(str(path)), profile="weights", codec=codec, digest=digest) as w:
         w.write_tensors("weights", tensors)
     return ckptfmt.open(str(path))
 
@@ -268,6 +271,6 @@ def test_ckpt_convert_codec_re_encodes_and_refuses_other_formats(tmp_path: Path)
     assert ckpt.verify().ok
     back = run_cli("convert", str(dst), str(tmp_path / "raw"), "--to", "ckptfmt", "--codec", "raw")
     assert back.exit_code == 0, back.stderr
-    assert ckptfmt.open(tmp_path / "raw").format_version == "1.0"
+    assert ckptfmt.open(tmp_path / "raw").format_version == "1.3"  # tree digests, the default
     wrong = run_cli("convert", str(src), str(tmp_path / "hf"), "--to", "hf", "--codec", "zstd")
     assert wrong.exit_code == 2 and "re-encodes a ckptfmt checkpoint" in wrong.stderr

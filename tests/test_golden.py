@@ -27,9 +27,10 @@ def test_golden_checkpoint_loads_verifies_and_holds_what_was_recorded(expected_f
     expected = json.loads(expected_file.read_text())
     version = expected_file.parent.name
     url = expected_file.parent / expected_file.name.removesuffix(".expected.json")
-    # A copy: nothing the reader does may depend on (or touch) the committed files' location.
-    copy = tmp_path / "golden"
-    shutil.copytree(url, copy)
+    # A copy of the version's directory (a 1.3 delta's base is its sibling): nothing the reader does may depend on
+    # (or touch) the committed files' location.
+    shutil.copytree(expected_file.parent, tmp_path / version)
+    copy = tmp_path / version / url.name
     report = ckptfmt.verify(str(copy))
     assert report.ok, [str(p) for p in report.problems]
     assert expected["format_version"] == version

@@ -84,9 +84,13 @@ def test_frozen_tensors_are_referenced_unhashed_and_keep_the_base_codec(tmp_path
     # smooth values compress: the base's chunks of these tensors are zstd
     big = {f"frozen.{i}": (rng.standard_normal((64, 512)) * 0.01).astype(np.float32) for i in range(2)}
     arrays = {**big, "adapter": np.ones((4, 4), np.float32)}
-    save(str(run / "step-1"), arrays, codec="zstd")
+    save(str(run / "step-1"), arrays, codec="zstd", digest="xxh3-128")  # flat: VER-1 then names the codec's 1.1
     writer = save(
-        str(run / "step-2"), {**arrays, "adapter": arrays["adapter"] * 2}, base=str(run / "step-1"), frozen=list(big)
+        str(run / "step-2"),
+        {**arrays, "adapter": arrays["adapter"] * 2},
+        base=str(run / "step-1"),
+        frozen=list(big),
+        digest="xxh3-128",
     )
     stats = writer.referenced
     assert stats is not None and stats.chunks == 2

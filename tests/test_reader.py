@@ -80,7 +80,7 @@ def test_empty_existing_directory_is_not_found(local_url: str) -> None:
 
 def test_a_good_checkpoint_reads_back(training: str) -> None:
     ckpt = ckptfmt.open(training)
-    assert ckpt.profile == "training" and ckpt.format_version == "1.0"
+    assert ckpt.profile == "training" and ckpt.format_version == "1.3"  # tree digests (the default)
     assert set(ckpt.fields) == set(PROFILES["training"])
     assert ckpt.read_context("data")["global_sample_offset"] == 4096
     assert ckpt.read_context("optimizer") == {"param_groups": [{"lr": 0.001, "params": ["layer0.w", "layer0.b"]}]}

@@ -42,7 +42,7 @@ def reencode(
             "metadata": dict(manifest.metadata),
         }
         if manifest.files:
-            options["digest"] = manifest.files[0].digest.partition(":")[0]
+            options["digest"] = manifest.digest_algorithm
         if target_file_size is not None:
             options["target_file_size"] = target_file_size
         if codec is not None:

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..digests import algorithm_of, format_digest, new_hasher
+from ..digests import algorithm_of, format_digest
 from ..errors import CheckpointError, DigestMismatchError
 from ..manifest import FileRecord
 from ..manifest_parse import parse_manifest
 from ..storage import Store
+from ..tree_digests import file_hasher
 from .stream_channel import StreamChannel
 from .wire import send_files
 
@@ -69,7 +70,7 @@ class _CheckedSource:
     def read_into(self, path: str, begin: int, out: memoryview) -> None:
         record = self._records[path]
         if begin == 0:
-            self._hashers[path] = new_hasher(algorithm_of(record.digest))
+            self._hashers[path] = file_hasher(algorithm_of(record.digest))
         self._source.read_into(path, begin, out)
         hasher = self._hashers[path]
         hasher.update(out)

@@ -30,7 +30,7 @@ from ..collective import Collective
 from ..collective_commit import CollectiveCommit
 from ..commit import Committer
 from ..decide import decide
-from ..digests import algorithm_of, format_digest, new_hasher
+from ..digests import algorithm_of, format_digest
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -49,6 +49,7 @@ from ..paths import MANIFEST_NAME, MAX_PATH_BYTES
 from ..reader import open_checkpoint
 from ..run import RunDirectory, checkpoint_name
 from ..storage import Store, open_store
+from ..tree_digests import file_hasher
 from .binding import SlotBinding
 
 log = logging.getLogger("ckptfmt")
@@ -112,7 +113,7 @@ class Persisted:
 
 def _copy_file(src: Store, dst: Store, path: str, size: int, digest: str, throttle: Throttle) -> None:
     """Stream one file, checking its size and digest before it is published under its name."""
-    hasher = new_hasher(algorithm_of(digest))
+    hasher = file_hasher(algorithm_of(digest))
     buffer = bytearray(min(READ_BYTES, max(size, 1)))
     out = dst.create(path)
     try:

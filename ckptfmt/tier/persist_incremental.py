@@ -116,7 +116,7 @@ class IncrementalPersist:
                 return CheckpointWriter(
                     store,
                     profile=ckpt.profile,
-                    digest=manifest.files[0].digest.partition(":")[0] if manifest.files else "xxh3-128",
+                    digest=manifest.digest_algorithm,
                     codec=codec,
                     metadata={**manifest.metadata, SINCE_FULL: str(depth)},
                     base=base,

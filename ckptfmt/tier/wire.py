@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..collective import PeerChannel
-from ..digests import algorithm_of, format_digest, new_hasher
+from ..digests import algorithm_of, format_digest
 from ..errors import (
     CheckpointError,
     CollectiveError,
@@ -41,6 +41,7 @@ from ..manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, checkpoint_id
 from ..manifest_parse import parse_manifest
 from ..paths import MANIFEST_NAME, check_path
 from ..storage import Store
+from ..tree_digests import file_hasher
 
 PIECE_BYTES = 8 << 20
 # A header is the checkpoint id and the paths sent, in JSON. A path is at most MAX_PATH_BYTES (1 KiB) of the
@@ -233,7 +234,7 @@ def _receive_file(
     failure: CheckpointError | None,
 ) -> tuple[bool, CheckpointError | None]:
     """One file's pieces; published only when whole and verified. Returns (published, first failure)."""
-    hasher = new_hasher(algorithm_of(record.digest))
+    hasher = file_hasher(algorithm_of(record.digest))
     out = destination.create(record.path) if failure is None else None
     position = 0
     try:

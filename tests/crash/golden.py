@@ -148,11 +148,49 @@ def _blocks(url: str) -> None:
         w.write_context("provenance", PROVENANCE)
 
 
+def _tree(url: str) -> None:
+    """Version 1.3: tree digests (the default): a float tensor of several 64 KiB pieces ending in a short one, a
+    tensor in two chunks, a chunk of one piece (a flat value under the tree name) and an integer tensor."""
+    rng = np.random.default_rng(13)
+    with ckptfmt.open_writer(url, profile="weights") as w:
+        w.write_tensor("weights", "emb", rng.standard_normal((300, 200)).astype(np.float32))  # 240,000 B: 4 pieces
+        proj = rng.standard_normal((128, 160)).astype(np.float32)
+        for start in (0, 64):  # 40,960 bytes a chunk: one piece each
+            w.write_tensor("weights", "proj", proj[start : start + 64], global_shape=(128, 160), offsets=(start, 0))
+        w.write_tensor("weights", "ids", rng.integers(-(1 << 40), 1 << 40, 20000).astype(np.int64))  # 3 pieces
+        w.write_context("provenance", PROVENANCE)
+
+
+def _delta_base(url: str) -> None:
+    """Version 1.3: the base of ``delta`` (zstd keyframes, tree digests)."""
+    rng = np.random.default_rng(14)
+    with ckptfmt.open_writer(url, profile="weights", codec="zstd") as w:
+        w.write_tensor("weights", "w", rng.standard_normal((256, 64)).astype(np.float32))
+        w.write_tensor("weights", "h", rng.standard_normal((64, 40)).astype(ml_dtypes.bfloat16))
+        w.write_context("provenance", PROVENANCE)
+
+
+def _delta(url: str) -> None:
+    """Version 1.3: xor-zstd chunks against ``delta-base`` (a sibling): the base's tensors nudged in their low
+    mantissa bits, as one step of training moves them; a new tensor is a keyframe."""
+    base = str(Path(url).parent / "delta-base")
+    with ckptfmt.open(base) as ckpt:
+        w0, h0 = ckpt.read_tensor("weights", "w"), ckpt.read_tensor("weights", "h")
+    w1 = (w0.view(np.uint32) ^ np.uint32(0x3)).view(np.float32)
+    h1 = (h0.view(np.uint16) ^ np.uint16(0x1)).view(ml_dtypes.bfloat16)
+    with ckptfmt.open_writer(url, profile="weights", codec="xor-zstd", base=base) as w:
+        w.write_tensor("weights", "w", w1)
+        w.write_tensor("weights", "h", h1)
+        w.write_tensor("weights", "new", np.linspace(0, 1, 4096, dtype=np.float32))
+        w.write_context("provenance", PROVENANCE)
+
+
 # What each released version's golden directory holds (a checkpoint a version's writer writes only then).
 CHECKPOINTS = {
     "1.0": {"training": _training, "weights": _weights},
     "1.1": {"encoded": _encoded},
     "1.2": {"blocks": _blocks},
+    "1.3": {"tree": _tree, "delta-base": _delta_base, "delta": _delta},  # delta after its base
 }
 
 

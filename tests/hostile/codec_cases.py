@@ -164,7 +164,8 @@ def _forged(want: int, stored: int, rng: Random) -> bytes | None:
 
 def _mutate_frames(tree: dict[str, Any], doc: Any, rng: Random) -> list[str]:
     """Change bytes of one compressed chunk in place; returns flags for the oracle ("forged", "digests-kept")."""
-    from ckptfmt.digests import algorithm_of, digest_of
+    from ckptfmt.digests import algorithm_of
+    from ckptfmt.tree_digests import chunk_digest_of, file_digest_of
 
     name, chunk = rng.choice(_zstd_chunks(doc))
     path = chunk["path"]
@@ -202,10 +203,10 @@ def _mutate_frames(tree: dict[str, Any], doc: Any, rng: Random) -> list[str]:
         return []  # a byte set to the value it had: nothing changed
     tree[path] = bytes(data)
     if rng.random() < 0.75:  # digests recomputed: only the decoder and the frame checksums are left to refuse
-        chunk["digest"] = digest_of(algorithm_of(chunk["digest"]), bytes(data[begin:end]))
+        chunk["digest"] = chunk_digest_of(algorithm_of(chunk["digest"]), bytes(data[begin:end]))
         for record in doc["files"]:
             if record["path"] == path:
-                record["digest"] = digest_of(algorithm_of(record["digest"]), bytes(data))
+                record["digest"] = file_digest_of(algorithm_of(record["digest"]), bytes(data))
     else:
         flags.append("digests-kept")
     return flags
