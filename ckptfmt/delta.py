@@ -17,12 +17,13 @@ from collections.abc import Iterator
 from .codecs import get_codec
 from .codecs.xor_zstd import MAX_DEPTH, NAME, XorConfiguration, xor_into
 from .digest_checks import Span
-from .digests import algorithm_of, digest_of
+from .digests import algorithm_of
 from .errors import DigestMismatchError, ManifestError
 from .file_checks import FileChecks
 from .manifest import RAW, ChunkRecord, Codec
 from .references import virtual_path
 from .storage import Store
+from .tree_digests import chunk_digest_of
 
 
 def chain_files(codec: Codec) -> Iterator[tuple[str, str]]:
@@ -116,7 +117,7 @@ def xor_base(
 
 
 def _check_digest(digest: str, stored: memoryview, path: str) -> None:
-    actual = digest_of(algorithm_of(digest), stored)
+    actual = chunk_digest_of(algorithm_of(digest), stored)  # a tree digest over a chunk of several pieces too
     if actual != digest:
         raise DigestMismatchError(
             f"the base chunk of an xor-zstd chunk hashes to {actual}; its configuration records {digest}",

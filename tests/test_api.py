@@ -137,5 +137,5 @@ def test_errors_render_where_and_serialize() -> None:
 
 
 def test_format_version() -> None:
-    assert ckptfmt.FORMAT_VERSION == "1.2"
+    assert ckptfmt.FORMAT_VERSION == "1.3"
     assert set(ckptfmt.PROFILES) == {"training", "weights"}

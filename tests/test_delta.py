@@ -9,6 +9,7 @@ manifest lists every base of every chain, so retention keeps them.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def test_a_delta_save_loads_bit_exactly(
     tmp_path: Path, dtype: str, shape: tuple[int, ...], frame_elements: int, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
-    run = tmp_path / str(seed) / f"{dtype}-{'x'.join(map(str, shape))}-{frame_elements}"
+    run = Path(tempfile.mkdtemp(dir=tmp_path))  # an example hypothesis replays gets a directory of its own
     first = _array(rng, dtype, (64, 64))  # 4 KiB and more: encoded
     second = {"big": _nudged(rng, first), "any": _array(rng, dtype, shape)}
     itemsize = first.dtype.itemsize
@@ -373,3 +374,20 @@ def test_a_partial_read_over_a_raw_base_checks_only_the_base_blocks_it_reads(tmp
         with pytest.raises(DigestMismatchError) as info:
             ckpt.read_slice("weights", "w", (810, 0), (4, 64))
         assert info.value.requirement == "BLK-5" and info.value.tensor == "w"
+
+
+def test_a_delta_of_a_base_chunk_of_several_tree_pieces_checks_its_tree_digest(tmp_path: Path) -> None:
+    """DLT-4 under tree digests (1.3's default): a base chunk larger than one 64 KiB piece has a tree chunk digest,
+    which the delta's reader recomputes over the base's stored bytes (it once took it for a flat one and refused)."""
+    rng = np.random.default_rng(15)
+    first = _array(rng, "F32", (300, 200))  # 240,000 bytes: four pieces
+    _save(tmp_path / "step-1", {"w": first}, codec="zstd")
+    second = _nudged(rng, first)
+    _save(tmp_path / "step-2", {"w": second}, codec="xor-zstd", base=tmp_path / "step-1")
+    with ckptfmt.open(tmp_path / "step-1") as base:
+        assert base.tensor("weights", "w").chunks[0].digest.startswith("xxh3-128-tree:")
+    with ckptfmt.open(tmp_path / "step-2") as ckpt:
+        chunk = ckpt.tensor("weights", "w").chunks[0]
+        assert chunk.codec.name == "xor-zstd"
+        assert np.array_equal(_bits(ckpt.read_tensor("weights", "w")), _bits(second))
+    assert ckptfmt.verify(str(tmp_path / "step-2")).ok

@@ -19,32 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UnsupportedCodecError, UsageError
+from ..errors import UsageError
 from ..manifest import RAW
 from .base import ChunkCodec, CodecConfiguration, CodecOptions, Encoded, FrameSpan
-
-_REGISTRY: dict[str, ChunkCodec] = {}
-
-
-def register(codec: ChunkCodec) -> None:
-    _REGISTRY[codec.name] = codec
-
-
-def get_codec(name: str, **where: object) -> ChunkCodec:
-    """The implementation of codec ``name``; an unknown name refuses the tensor that uses it (TEN-14)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnsupportedCodecError(
-            f"chunk is stored with codec {name!r}, which this reader does not implement "
-            f"(known: {', '.join(sorted(_REGISTRY))})",
-            requirement="TEN-14",
-            **where,  # type: ignore[arg-type]
-        ) from None
-
-
-def known_codecs() -> list[str]:
-    return sorted(_REGISTRY)
+from .registry import _REGISTRY, get_codec, known_codecs, register
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

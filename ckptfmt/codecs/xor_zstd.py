@@ -25,6 +25,7 @@ from ..digests import parse_digest
 from ..errors import ManifestError, UsageError
 from ..manifest import RAW, Codec, CodecDict
 from .base import CodecOptions, Encoded, FrameSpan
+from .registry import get_codec
 from .zstd import ZstdCodec, ZstdConfiguration, ZstdOptions
 
 if TYPE_CHECKING:
@@ -188,8 +189,6 @@ class XorConfiguration:
                     stored_size=base.nbytes, raw_size=raw_size
                 )
             else:
-                from . import get_codec  # (the registry imports this module)
-
                 get_codec(name).plan_frames(
                     base.codec, stored_size=base.nbytes, raw_size=raw_size, raw_begin=0, raw_end=0
                 )
