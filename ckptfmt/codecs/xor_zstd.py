@@ -16,7 +16,7 @@ XORed bytes; the reader's :mod:`ckptfmt.delta` fetches and checks the base's byt
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..blocks import Blocks
@@ -275,14 +275,7 @@ class XorZstdCodec:
         config = span.configuration
         if not isinstance(config, XorConfiguration):
             config = XorConfiguration.from_dict(codec.configuration)
-        inner = FrameSpan(
-            stored_begin=span.stored_begin,
-            stored_end=span.stored_end,
-            raw_begin=span.raw_begin,
-            raw_end=span.raw_end,
-            configuration=config.frames,
-        )
-        _ZSTD.decode_into(codec, stored, inner, out, itemsize=itemsize)
+        _ZSTD.decode_into(codec, stored, replace(span, configuration=config.frames), out, itemsize=itemsize)
 
 
 __all__ = [
