@@ -42,6 +42,7 @@ from .file_checks import FileChecks
 from .manifest import ChunkRecord
 from .read_plan import Piece, ReadPlan, Target
 from .storage import RangeReader, Store
+from .thread_pools import submit_or_run
 
 MIN_PART = 1 << 20
 MAX_PART = 64 << 20
@@ -268,7 +269,7 @@ class ReadExecutor:
             self.close()
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptfmt-read")
             self._pool_size = self.workers
-        futures: list[Future[None]] = [self._pool.submit(job) for job in jobs]
+        futures: list[Future[None]] = [submit_or_run(self._pool, job) for job in jobs]
         wait(futures)
         for future in futures:
             future.result()
@@ -312,13 +313,13 @@ class ReadExecutor:
             return view
 
         try:
-            pending = self._read_ahead().submit(read, begin, buffers[0])
+            pending = submit_or_run(self._read_ahead(), read, begin, buffers[0])
             pos, turn = begin, 0
             while pos < end:
                 view = pending.result()
                 nxt = pos + len(view)
                 if nxt < end:
-                    pending = self._read_ahead().submit(read, nxt, buffers[1 - turn])
+                    pending = submit_or_run(self._read_ahead(), read, nxt, buffers[1 - turn])
                 consume(pos, view)
                 with self._lock:
                     self.bytes_read += len(view)

@@ -32,6 +32,7 @@ from .manifest import RAW, ChunkRecord, Codec, FileRecord
 from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
 from .storage import Store
+from .thread_pools import submit_or_run
 from .tree_digests import LEAF_BYTES, entry_digest, file_tree_hex
 
 # The unit of the write pass: each slice is hashed for the file, hashed for its chunk and handed to the store
@@ -126,7 +127,7 @@ class WriteExecutor:
     def submit(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
         """Queue one data file; blocks while ``workers`` files are already in flight (the memory bound)."""
         self.drain(self._max_inflight - 1)
-        self._inflight.append(self._pool.submit(self._write_data_file, plan, arrays))
+        self._inflight.append(submit_or_run(self._pool, self._write_data_file, plan, arrays))
 
     def write_blob(self, path: str, data: bytes) -> FileRecord:
         """Write a small blob (a context map) synchronously: a flat digest, as it is no data file (TRE-2)."""

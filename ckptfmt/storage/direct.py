@@ -13,6 +13,8 @@ filesystem refuses ``O_DIRECT`` (``EINVAL``), the file is written through the pa
 A full buffer is written on a small shared pool of writer threads while the caller fills the other
 buffer (copy, hashing): the disk never waits for the CPU, nor the CPU for the disk. At most one write per
 file is in flight, so writes stay in order.
+Once the interpreter has begun to exit, the pool takes no more work: the write then runs on the caller's
+thread (:mod:`ckptfmt.thread_pools`; a persist at exit).
 
 Memory: two ``BUFFER_BYTES`` buffers per file being written, taken from a pool that keeps at most
 ``POOL_IDLE`` of them between files (reused pages: no page faults on the next save).
@@ -26,6 +28,8 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..thread_pools import submit_or_run
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
 ALIGN = 4096  # buffer address, write length and file offset: a multiple of every logical block size in use
@@ -152,7 +156,7 @@ class StagedWriter:
         if self._allow_direct and not self._direct:
             self._direct = self._set_direct(True)
             self._allow_direct = self._direct
-        self._pending = _WRITERS.submit(self._write_direct if self._direct else self._write_cached, self._view)
+        self._pending = submit_or_run(_WRITERS, self._write_direct if self._direct else self._write_cached, self._view)
         full = (self._buffer, self._view)
         if self._spare is None:
             buffer = _POOL.take()

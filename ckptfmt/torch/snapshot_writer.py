@@ -40,6 +40,7 @@ from ..errors import CheckpointError, MalformedMessageError
 from ..manifest import FileRecord
 from ..run import RunDirectory
 from ..storage.slot import SlotStore
+from ..thread_pools import submit_or_run
 from ..tier import MemoryTier, SlotBinding
 from ..tier.binding import normalize_run_url
 from ..tier.nodes import NodeMap
@@ -178,7 +179,7 @@ class SnapshotWriter:
 
     def spread_now(self, slot: int) -> None:
         """Several nodes: persist the committed ``slot`` on the writer thread and wait for it."""
-        self._writer.submit(self.persist_queue.spread, slot, self._files).result()
+        submit_or_run(self._writer, self.persist_queue.spread, slot, self._files).result()
 
     def shutdown(self) -> None:
         """Stop the writer thread (after the work in flight)."""

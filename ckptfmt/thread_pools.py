@@ -1,0 +1,45 @@
+"""Work handed to a thread pool while the interpreter exits.
+
+``concurrent.futures`` shuts its pools down from ``threading._register_atexit``, which runs before :mod:`atexit`
+handlers: from then on every ``ThreadPoolExecutor.submit`` raises ``RuntimeError``, even from a pool's own thread
+still finishing its queue. The memory tier persists its newest snapshot from an atexit handler (and a snapshot
+still being written at exit finishes during that shutdown), and both reach pools: the staged writes, a writer's
+and a reader's pools. There the work runs on the caller's thread instead, which gives the same result in the
+same order (the caller waits for its futures anyway) and the same error, delivered by the returned future.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# ThreadPoolExecutor.submit's words once the interpreter shuts its pools down (3.9+); a pool shut down by its
+# owner says "cannot schedule new futures after shutdown", a bug that must still raise.
+_INTERPRETER_SHUTDOWN = "after interpreter shutdown"
+
+
+def submit_or_run(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+    """``pool.submit(fn, *args, **kwargs)``; when the pool refuses it because the interpreter is exiting, ``fn``
+    runs now on the calling thread and the future returned is done (its result, or its exception, as a pool
+    thread would have left it). Every other error of ``submit`` is raised."""
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    except RuntimeError as exc:
+        if _INTERPRETER_SHUTDOWN not in str(exc):
+            raise
+    future: Future[T] = Future()
+    future.set_running_or_notify_cancel()
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # as a pool's worker does: the caller gets it from result()
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+    return future
+
+
+__all__ = ["submit_or_run"]
