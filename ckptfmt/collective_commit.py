@@ -103,6 +103,7 @@ class CollectiveCommit:
         overwrite: bool = False,
         bases: tuple[str, ...] = (),
         before_replace: Callable[[], None] | None = None,
+        check_manifest: bool = True,
         **options: Any,
     ) -> CollectiveCommit:
         """Step 1 and 2 on the leader(s); the first failure, as the coordinator saw it, fails every rank."""
@@ -110,7 +111,13 @@ class CollectiveCommit:
         error: CheckpointError | None = None
         if leader:
             try:
-                committer = Committer(store, overwrite=overwrite, bases=bases, before_replace=before_replace)
+                committer = Committer(
+                    store,
+                    overwrite=overwrite,
+                    bases=bases,
+                    before_replace=before_replace,
+                    check_manifest=check_manifest,
+                )
             except CheckpointError as exc:
                 error = exc
         started = cls(store, collective, committer, **options)
@@ -366,6 +373,7 @@ def start_commit(
     bases: tuple[str, ...],
     before_replace: Callable[[], None] | None,
     committed_elsewhere: bool = False,
+    check_manifest: bool = True,
 ) -> SoloCommit | CollectiveCommit | HandOver:
     """Step 1 of a writer's commit (spec/commit.md): one rank alone; several ranks and one store every rank sees
     (``store_of_rank`` None), whose coordinator leads; or several stores, each led by the lowest rank writing to
@@ -375,7 +383,9 @@ def start_commit(
     if committed_elsewhere:
         return HandOver(store)
     if collective is None:
-        committer = Committer(store, overwrite=overwrite, bases=bases, before_replace=before_replace)
+        committer = Committer(
+            store, overwrite=overwrite, bases=bases, before_replace=before_replace, check_manifest=check_manifest
+        )
         return SoloCommit(store, committer, profile=profile, metadata=metadata)
     what = f"the save of {store.url}"
     if store_of_rank is not None and not isinstance(collective, PeerChannel):
@@ -391,6 +401,7 @@ def start_commit(
             overwrite=overwrite,
             bases=bases,
             before_replace=before_replace,
+            check_manifest=check_manifest,
             plan=records_plan(store, profile=profile, metadata=metadata),
             what=what,
         )
@@ -401,6 +412,7 @@ def start_commit(
         overwrite=overwrite,
         bases=bases,
         before_replace=before_replace,
+        check_manifest=check_manifest,
         store_of_rank=store_of_rank,
         profile=profile,
         metadata=metadata,

@@ -88,6 +88,7 @@ class CheckpointWriter:
         base_content: RawDigests | None = None,
         before_replace: Callable[[], None] | None = None,
         committed_elsewhere: bool = False,
+        check_manifest: bool = True,
     ) -> None:
         options = WriteOptions.check(
             profile=profile,
@@ -112,6 +113,8 @@ class CheckpointWriter:
         # committed_elsewhere: this rank writes its files and :meth:`hand_over` gives their records to a commit
         # made outside this writer (ckptfmt.dcp: DCP's finish, on the coordinator, which took the lock)
         self.committed_elsewhere = committed_elsewhere
+        # check_manifest=False: the manifest is committed without being parsed back first (commit.Committer says
+        # for which stores)
         # base: an earlier checkpoint beside this one; chunks equal to its chunks are referenced, not written
         # (spec/references.md). frozen: tensor names the caller declares unchanged since the base (not hashed).
         # base_content: ``raw_digests`` of the writer of this process that wrote the base, with its checkpoint id:
@@ -139,6 +142,7 @@ class CheckpointWriter:
                 bases=() if self._base is None else self._base.names,
                 before_replace=before_replace,
                 committed_elsewhere=committed_elsewhere,
+                check_manifest=check_manifest,
             )
         except BaseException:
             self._close()

@@ -297,6 +297,8 @@ class SnapshotWriter:
             collective=self.collective,
             metadata=binding.to_metadata(),
             store_of_rank=self.nodes.store_of_rank() if spread else None,
+            workers=1,  # a copy into memory is bound by memory, not by a disk's queue: one core does it
+            check_manifest=False,  # parsed by whoever reads the slot, which passes over one it refuses (MEM-6)
         )
         state.stage_snapshot(writer, snap)
         try:
