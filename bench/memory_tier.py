@@ -40,7 +40,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-WIDTH = 512
+# the MLP's width: its tensors are WIDTH x WIDTH float32 (1 MiB at 512, 16 MiB at 2048); the per-tensor costs of a
+# snapshot (capture, planning, the manifest) weigh against the per-byte ones (copy, hash) as the width falls
+WIDTH = int(os.environ.get("CKPTFMT_BENCH_WIDTH", "512"))
+
+
+def set_width(width: int) -> None:
+    """The MLP's width, here and in the recovery workers (which read it from the environment)."""
+    global WIDTH
+    WIDTH = width
+    os.environ["CKPTFMT_BENCH_WIDTH"] = str(width)
 
 
 def build(mib: int) -> tuple[Any, Any, Any]:
@@ -53,6 +62,12 @@ def build(mib: int) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(layers)))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), ResumableSampler(1 << 16, seed=0)
+
+
+def state_shape(mib: int) -> tuple[int, float]:
+    """How many tensors the state has and the size of the large ones (weights and both moments; biases aside)."""
+    layers = max(1, (mib << 20) // (3 * 4 * WIDTH * WIDTH))
+    return 3 * 2 * layers, WIDTH * WIDTH * 4 / (1 << 20)
 
 
 def step(model: Any, optimizer: Any, batch: int) -> None:
@@ -245,10 +260,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40, help="steps per phase")
     p.add_argument("--every", type=int, default=8, help="durable cadence of the memory+durable and async phases")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--width", type=int, default=WIDTH, help="the MLP's width: tensors of width x width float32")
     p.add_argument("--dir", help="where to write (default: a temporary directory on local disk, removed afterwards)")
     p.add_argument("--json", type=Path, help="write every figure as JSON")
     p.add_argument("--no-torchrun", action="store_true", help="skip the 2-rank torchrun kill-and-restart phases")
     args = p.parse_args()
+    set_width(args.width)
     import torch
 
     torch.set_num_threads(1)  # one core trains, the other is free for the background work
@@ -270,6 +287,7 @@ def main() -> None:
             figures["recover_memory"] = recovery(mib, True, rec)
             figures["recover_durable"] = recovery(mib, False, rec)
             shutil.rmtree((rec / "shm-recover").resolve(), ignore_errors=True)
+            figures["tensors"], figures["tensor_mib"] = state_shape(mib)
             results[str(mib)] = figures
         if not args.no_torchrun:
             shm = Path(tempfile.mkdtemp(dir=shm_parent))
@@ -318,7 +336,8 @@ def print_table(results: dict[str, Any]) -> None:
         per_gib = (mem["cpu_s_per_step"] - plain_cpu) / (int(mib) / 1024)
         rm, rd = f["recover_memory"], f["recover_durable"]
         print(
-            f"| {mib} MiB | {base * 1e3:.0f} ms | {mem.get('blocking_s', 0) * 1e3:.1f} ms "
+            f"| {mib} MiB ({f['tensors']} tensors, the large {f['tensor_mib']:g} MiB) "
+            f"| {base * 1e3:.0f} ms | {mem.get('blocking_s', 0) * 1e3:.1f} ms "
             f"| {x(mem['step_s'])} | {f['torch.save']['stall_s'] * 1e3:.1f} ms | {per_gib:.3f} "
             f"| {x(dur.get('step_while_persisting_s', dur['step_s']))} "
             f"({dur.get('step_while_persisting_s', 0) / dur.get('step_not_persisting_s', 1):.2f}x its other steps) "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from .errors import UnsafePathError, UsageError
@@ -60,6 +61,11 @@ def tensor_name_problem(name: object) -> str | None:
     """Why ``name`` is not a valid tensor name, or None if it is."""
     if not isinstance(name, str):
         return f"a tensor name must be a string, got {type(name).__name__}"
+    return _str_name_problem(name)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a trainer snapshotting every step checks the same names each time
+def _str_name_problem(name: str) -> str | None:
     size = len(name.encode("utf-8", "surrogatepass"))
     if not 1 <= size <= MAX_TENSOR_NAME_BYTES:
         return f"a tensor name must be 1..{MAX_TENSOR_NAME_BYTES} bytes"

@@ -53,7 +53,7 @@ class TargetShard:
 
 
 def is_dtensor(value: object) -> bool:
-    if not (torch.distributed.is_available() and type(value).__name__ == "DTensor"):
+    if not (type(value).__name__ == "DTensor" and torch.distributed.is_available()):  # the cheap test first
         return False
     from torch.distributed.tensor import DTensor
 
