@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -42,11 +43,12 @@ from .file_checks import FileChecks
 from .manifest import ChunkRecord
 from .read_plan import Piece, ReadPlan, Target
 from .storage import RangeReader, Store
-from .thread_pools import submit_or_run
+from .thread_pools import submit_or_run, try_submit
 
 MIN_PART = 1 << 20
 MAX_PART = 64 << 20
-SCAN_BYTES = 8 << 20  # the unit of a streaming scan (verification): one buffer per file in flight
+SCAN_BYTES = 4 << 20  # the unit of a streaming scan (verification, a load's check)
+SCAN_BUFFERS = 4  # a scan's buffers: its reader runs up to this many ahead of the consumer
 # A check streams across gaps up to this between the ranges it needs (the small tensors between the large ones: an
 # optimizer's step counts between its moments) instead of starting a new stream: the disk's readahead is there.
 CHECK_GAP = 1 << 20
@@ -126,7 +128,7 @@ class ReadExecutor:
         self._pool: ThreadPoolExecutor | None = None  # started on first use, kept until close()
         self._pool_size = 0
         self._ahead: ThreadPoolExecutor | None = None  # the scans' read-ahead, started on first use
-        self._scan_buffers: list[tuple[memoryview, memoryview]] = []  # idle pairs, one per concurrent scan
+        self._scan_buffers: list[tuple[memoryview, ...]] = []  # idle sets, one per concurrent scan
 
     def close(self) -> None:
         if self._pool is not None:
@@ -278,10 +280,10 @@ class ReadExecutor:
 
     def scan(self, path: str, size: int, consume: Callable[[int, memoryview], None]) -> None:
         """Every byte of a file, in order, ``SCAN_BYTES`` at a time, handed to ``consume(offset, view)``; the
-        next read is in flight while ``consume`` runs.
+        reads run ahead of ``consume`` by up to ``SCAN_BUFFERS`` buffers.
 
-        The read-ahead thread, and for files of ``SCAN_BYTES`` or more the two buffers, are the executor's, reused
-        file after file: a verify of many files allocated and zeroed 16 MiB and started a thread per file."""
+        The read-ahead thread, and for files of ``SCAN_BUFFERS`` buffers or more the buffers, are the executor's,
+        reused file after file: a verify of many files allocated and zeroed 16 MiB and started a thread per file."""
         self._stream(path, 0, size, consume, keep_cached=self.keep_cached)
 
     def _stream(
@@ -304,42 +306,66 @@ class ReadExecutor:
         *,
         keep_cached: bool,
     ) -> None:
+        """One thread reads the range in order into the scan's free buffers, ``consume`` takes them in order
+        behind it: the disk sees one sequential stream (its readahead at work; reads of one file in parallel
+        were slower here) and a slow consume (hashing) delays the reads only once every buffer is full."""
         buffers = self._take_scan_buffers(end - begin)
-        pending: Future[memoryview] | None = None
+        free: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        filled: queue.SimpleQueue[tuple[int, memoryview, int] | BaseException] = queue.SimpleQueue()
+        for buffer in buffers:
+            free.put(buffer)
+        stop = threading.Event()
 
-        def read(pos: int, buf: memoryview) -> memoryview:
-            view = buf[: min(len(buf), end - pos)]
-            reader.read_ranges([(pos, view)], keep_cached=keep_cached)
-            return view
+        def read_in_order() -> None:
+            pos = begin
+            try:
+                while pos < end and not stop.is_set():
+                    buffer = free.get()
+                    if buffer is None:  # the consumer stopped
+                        return
+                    count = min(len(buffer), end - pos)
+                    reader.read_ranges([(pos, buffer[:count])], keep_cached=keep_cached)
+                    filled.put((pos, buffer, count))
+                    pos += count
+            except BaseException as exc:  # handed to the consumer, which raises it
+                filled.put(exc)
 
+        task = try_submit(self._read_ahead(), read_in_order)
         try:
-            pending = submit_or_run(self._read_ahead(), read, begin, buffers[0])
-            pos, turn = begin, 0
+            pos = begin
             while pos < end:
-                view = pending.result()
-                nxt = pos + len(view)
-                if nxt < end:
-                    pending = submit_or_run(self._read_ahead(), read, nxt, buffers[1 - turn])
-                consume(pos, view)
+                if task is None:  # the interpreter is exiting (thread_pools.py): one read at a time, on this thread
+                    count = min(len(buffers[0]), end - pos)
+                    reader.read_ranges([(pos, buffers[0][:count])], keep_cached=keep_cached)
+                    filled.put((pos, buffers[0], count))
+                item = filled.get()
+                if isinstance(item, BaseException):
+                    raise item
+                at, buffer, count = item
+                consume(at, buffer[:count])
                 with self._lock:
-                    self.bytes_read += len(view)
-                pos, turn = nxt, 1 - turn
+                    self.bytes_read += count
+                pos = at + count
+                if task is not None:
+                    free.put(buffer)
         finally:
-            if pending is not None:
-                wait([pending])  # a read still in flight (consume raised) must not land in a reused buffer
-            if len(buffers[0]) == SCAN_BYTES:
+            stop.set()
+            free.put(None)  # wakes a reader waiting for a buffer
+            if task is not None:
+                wait([task])  # a read still in flight (consume raised) must not land in a reused buffer
+            if len(buffers[0]) == SCAN_BYTES and len(buffers) == SCAN_BUFFERS:
                 with self._lock:
                     self._scan_buffers.append(buffers)
 
-    def _take_scan_buffers(self, size: int) -> tuple[memoryview, memoryview]:
-        """A pair of the executor's full-size buffers for a file of ``SCAN_BYTES`` or more; a pair of its own size
-        (not kept) for a smaller one, so that memory follows the files being scanned."""
-        if size >= SCAN_BYTES:
+    def _take_scan_buffers(self, size: int) -> tuple[memoryview, ...]:
+        """The executor's ``SCAN_BUFFERS`` full-size buffers for a file of ``SCAN_BUFFERS * SCAN_BYTES`` or more;
+        as many as it needs, of its own size (not kept), for a smaller one, so that memory follows the files."""
+        if size >= SCAN_BUFFERS * SCAN_BYTES:
             with self._lock:
                 if self._scan_buffers:
                     return self._scan_buffers.pop()
-        first, second = (host_memory.aligned(min(size, SCAN_BYTES)) for _ in range(2))
-        return first, second
+        count = min(SCAN_BUFFERS, -(-size // SCAN_BYTES))
+        return tuple(host_memory.aligned(min(size, SCAN_BYTES)) for _ in range(count))
 
     def _read_ahead(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -42,4 +42,15 @@ def submit_or_run(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs
     return future
 
 
-__all__ = ["submit_or_run"]
+def try_submit(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T] | None:
+    """``pool.submit(fn, *args, **kwargs)``, or None when the pool refuses it because the interpreter is exiting:
+    for work that cannot run on the caller's thread in its place (a producer the caller consumes from)."""
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    except RuntimeError as exc:
+        if _INTERPRETER_SHUTDOWN not in str(exc):
+            raise
+    return None
+
+
+__all__ = ["submit_or_run", "try_submit"]

@@ -104,7 +104,7 @@ def test_scans_reuse_their_buffers_and_read_ahead_threads(tmp_path: Path, monkey
 
     for file in files:
         assert scanned(file.path, file.size) == (tmp_path / "c" / file.path).read_bytes()
-    assert len(executor._scan_buffers) == 1  # one pair, reused by every file
+    assert len(executor._scan_buffers) == 1  # one set, reused by every file
 
     def failing(pos: int, view: memoryview) -> None:
         raise RuntimeError("consumer failed")
@@ -250,3 +250,112 @@ def test_a_span_names_the_first_block_or_the_chunk_its_bytes_do_not_hash_to() ->
     with pytest.raises(DigestMismatchError, match="block 2 ") as info:
         tail.check(memoryview(bytes(data))[8192:])
     assert info.value.requirement == "BLK-5"
+
+
+def _one_file(tmp_path: Path, nbytes: int) -> tuple[Any, Any, Any]:
+    from ckptfmt.file_checks import FileChecks
+    from ckptfmt.read_executor import ReadExecutor
+    from ckptfmt.storage import LocalStore
+
+    data = np.random.default_rng(7).integers(0, 255, nbytes, dtype=np.uint8)
+    with ckptfmt.open_writer(tmp_path / "c", profile="weights") as w:
+        w.write_tensor("weights", "t", data)
+    store = LocalStore(tmp_path / "c")
+    ckpt = ckptfmt.open(tmp_path / "c")
+    file = next(f for f in ckpt.manifest.files if f.path.endswith(".safetensors"))
+    ckpt.close()
+    return ReadExecutor(store, FileChecks(store, ckpt.manifest)), file, (tmp_path / "c" / file.path).read_bytes()
+
+
+def test_a_scan_reads_ahead_of_a_slow_consumer_by_its_buffers_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader runs ahead of the consumer, in order, and never by more than SCAN_BUFFERS buffers (the memory
+    bound); the consumer gets every byte in order."""
+    import time
+
+    from ckptfmt import read_executor
+    from ckptfmt.storage.local import LocalStore
+
+    monkeypatch.setattr(read_executor, "SCAN_BYTES", 1 << 16)
+    executor, file, expected = _one_file(tmp_path, 40 << 16)
+    reads: list[int] = []
+    original = LocalStore.reader
+
+    def counting_reader(self: LocalStore, path: str) -> Any:
+        reader = original(self, path)
+        inner = reader.read_ranges
+
+        def read_ranges(ranges: Any, **kw: Any) -> Any:
+            reads.append(ranges[0][0])
+            return inner(ranges, **kw)
+
+        reader.read_ranges = read_ranges
+        return reader
+
+    monkeypatch.setattr(LocalStore, "reader", counting_reader)
+    parts: list[tuple[int, bytes]] = []
+    ahead: list[int] = []
+
+    def consume(pos: int, view: memoryview) -> None:
+        if not parts:  # hold the first buffer: the reader fills every other one, then must wait for it
+            deadline = time.monotonic() + 30
+            while len(reads) < read_executor.SCAN_BUFFERS and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)  # room for a read it must not make (not needed for the test to pass)
+            ahead.append(len(reads))
+        parts.append((pos, bytes(view)))
+
+    executor.scan(file.path, file.size, consume)
+    executor.close()
+    assert b"".join(p for _, p in parts) == expected
+    assert [p for p, _ in parts] == sorted(p for p, _ in parts)
+    assert ahead == [read_executor.SCAN_BUFFERS]  # all buffers filled, none overwritten before it was consumed
+    assert reads == sorted(reads)
+
+
+def test_a_failed_read_in_a_scan_is_raised_to_its_consumer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptfmt import read_executor
+    from ckptfmt.errors import StorageError
+    from ckptfmt.storage.local import LocalStore
+
+    monkeypatch.setattr(read_executor, "SCAN_BYTES", 1 << 16)
+    executor, file, _ = _one_file(tmp_path, 20 << 16)
+    original = LocalStore.reader
+
+    def failing_reader(self: LocalStore, path: str) -> Any:
+        reader = original(self, path)
+        inner = reader.read_ranges
+
+        def read_ranges(ranges: Any, **kw: Any) -> Any:
+            if ranges[0][0] >= 5 << 16:
+                raise StorageError("the disk went away", path=path)
+            return inner(ranges, **kw)
+
+        reader.read_ranges = read_ranges
+        return reader
+
+    monkeypatch.setattr(LocalStore, "reader", failing_reader)
+    seen: list[int] = []
+    with pytest.raises(StorageError, match="the disk went away"):
+        executor.scan(file.path, file.size, lambda pos, view: seen.append(pos))
+    assert seen == sorted(seen) and all(pos < 5 << 16 for pos in seen)
+    executor.close()
+
+
+def test_a_scan_at_interpreter_exit_reads_on_its_own_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptfmt import read_executor
+
+    class Exiting(ThreadPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(read_executor, "SCAN_BYTES", 1 << 16)
+    executor, file, expected = _one_file(tmp_path, 9 << 16)
+    monkeypatch.setattr(executor, "_read_ahead", lambda: Exiting(max_workers=1))
+    parts: list[bytes] = []
+    executor.scan(file.path, file.size, lambda pos, view: parts.append(bytes(view)))
+    assert b"".join(parts) == expected
+    executor.close()

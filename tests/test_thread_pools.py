@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ckptfmt.thread_pools import submit_or_run
+from ckptfmt.thread_pools import submit_or_run, try_submit
 
 
 class ExitingPool(Executor):
@@ -47,3 +47,11 @@ def test_a_pool_shut_down_by_its_owner_still_refuses() -> None:
     with pytest.raises(RuntimeError, match="after shutdown"):
         submit_or_run(pool, ran.append, 1)
     assert ran == []
+
+
+def test_try_submit_says_none_at_interpreter_shutdown_and_raises_any_other_refusal() -> None:
+    assert try_submit(ExitingPool(), threading.current_thread) is None
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        try_submit(pool, threading.current_thread)
