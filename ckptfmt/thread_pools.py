@@ -10,6 +10,7 @@ same order (the caller waits for its futures anyway) and the same error, deliver
 
 from __future__ import annotations
 
+import concurrent.futures.thread as pool_threads
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import ParamSpec, TypeVar
@@ -18,8 +19,20 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 # ThreadPoolExecutor.submit's words once the interpreter shuts its pools down (3.9+); a pool shut down by its
-# owner says "cannot schedule new futures after shutdown", a bug that must still raise.
+# owner says "cannot schedule new futures after shutdown", a bug that must still raise, except at exit (below).
 _INTERPRETER_SHUTDOWN = "after interpreter shutdown"
+_OWN_SHUTDOWN = "after shutdown"
+
+
+def refused_at_exit(exc: RuntimeError) -> bool:
+    """Whether a pool refused work because the interpreter is exiting. At exit an idle worker that takes the stop
+    sentinel marks its own pool shut down, so that pool then says "after shutdown" like one its owner shut down
+    (seen in CI: a snapshot finishing during the exit submitted to such a pool); concurrent.futures' exit flag
+    (private, read defensively) tells the two apart."""
+    message = str(exc)
+    if _INTERPRETER_SHUTDOWN in message:
+        return True
+    return _OWN_SHUTDOWN in message and bool(getattr(pool_threads, "_shutdown", False))
 
 
 def submit_or_run(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
@@ -29,7 +42,7 @@ def submit_or_run(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs
     try:
         return pool.submit(fn, *args, **kwargs)
     except RuntimeError as exc:
-        if _INTERPRETER_SHUTDOWN not in str(exc):
+        if not refused_at_exit(exc):
             raise
     future: Future[T] = Future()
     future.set_running_or_notify_cancel()
@@ -48,7 +61,7 @@ def try_submit(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs: P
     try:
         return pool.submit(fn, *args, **kwargs)
     except RuntimeError as exc:
-        if _INTERPRETER_SHUTDOWN not in str(exc):
+        if not refused_at_exit(exc):
             raise
     return None
 

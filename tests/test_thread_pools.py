@@ -55,3 +55,18 @@ def test_try_submit_says_none_at_interpreter_shutdown_and_raises_any_other_refus
     pool.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         try_submit(pool, threading.current_thread)
+
+
+def test_at_exit_a_pool_that_marked_itself_shut_down_runs_the_work_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At exit an idle worker that takes concurrent.futures' stop sentinel marks its pool shut down, and the pool
+    then says "after shutdown", as one its owner shut down does: with the exit flag set, that is the exit's."""
+    import concurrent.futures.thread as pool_threads
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.shutdown()
+    monkeypatch.setattr(pool_threads, "_shutdown", True)
+    future = submit_or_run(pool, threading.current_thread)
+    assert future.result() is threading.current_thread()
+    assert try_submit(pool, threading.current_thread) is None
