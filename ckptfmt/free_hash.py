@@ -21,8 +21,6 @@ from collections.abc import Callable
 
 import xxhash
 
-_Leaves = Callable[[memoryview, int, int, int], list[str]]
-
 
 class _Hash128(ctypes.Structure):
     _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]

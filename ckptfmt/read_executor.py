@@ -282,7 +282,7 @@ class ReadExecutor:
         """Every byte of a file, in order, ``SCAN_BYTES`` at a time, handed to ``consume(offset, view)``; the
         reads run ahead of ``consume`` by up to ``SCAN_BUFFERS`` buffers.
 
-        The read-ahead thread, and for files of ``SCAN_BUFFERS`` buffers or more the buffers, are the executor's,
+        The read-ahead thread, and for files of ``SCAN_BYTES`` or more the buffers, are the executor's,
         reused file after file: a verify of many files allocated and zeroed 16 MiB and started a thread per file."""
         self._stream(path, 0, size, consume, keep_cached=self.keep_cached)
 
@@ -337,8 +337,9 @@ class ReadExecutor:
                 if task is None:  # the interpreter is exiting (thread_pools.py): one read at a time, on this thread
                     count = min(len(buffers[0]), end - pos)
                     reader.read_ranges([(pos, buffers[0][:count])], keep_cached=keep_cached)
-                    filled.put((pos, buffers[0], count))
-                item = filled.get()
+                    item: tuple[int, memoryview, int] | BaseException = (pos, buffers[0], count)
+                else:
+                    item = filled.get()
                 if isinstance(item, BaseException):
                     raise item
                 at, buffer, count = item
@@ -358,14 +359,15 @@ class ReadExecutor:
                     self._scan_buffers.append(buffers)
 
     def _take_scan_buffers(self, size: int) -> tuple[memoryview, ...]:
-        """The executor's ``SCAN_BUFFERS`` full-size buffers for a file of ``SCAN_BUFFERS * SCAN_BYTES`` or more;
-        as many as it needs, of its own size (not kept), for a smaller one, so that memory follows the files."""
-        if size >= SCAN_BUFFERS * SCAN_BYTES:
+        """The executor's ``SCAN_BUFFERS`` full-size buffers (reused: fresh pages cost here what reading does) for a
+        file of ``SCAN_BYTES`` or more; one of its own size (not kept) for a smaller one, so that memory follows the
+        files being scanned."""
+        if size >= SCAN_BYTES:
             with self._lock:
                 if self._scan_buffers:
                     return self._scan_buffers.pop()
-        count = min(SCAN_BUFFERS, -(-size // SCAN_BYTES))
-        return tuple(host_memory.aligned(min(size, SCAN_BYTES)) for _ in range(count))
+            return tuple(host_memory.aligned(SCAN_BYTES) for _ in range(SCAN_BUFFERS))  # a full set: kept afterwards
+        return (host_memory.aligned(size),)  # the whole file in one read
 
     def _read_ahead(self) -> ThreadPoolExecutor:
         with self._lock:

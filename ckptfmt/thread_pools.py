@@ -39,11 +39,9 @@ def submit_or_run(pool: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs
     """``pool.submit(fn, *args, **kwargs)``; when the pool refuses it because the interpreter is exiting, ``fn``
     runs now on the calling thread and the future returned is done (its result, or its exception, as a pool
     thread would have left it). Every other error of ``submit`` is raised."""
-    try:
-        return pool.submit(fn, *args, **kwargs)
-    except RuntimeError as exc:
-        if not refused_at_exit(exc):
-            raise
+    submitted = try_submit(pool, fn, *args, **kwargs)
+    if submitted is not None:
+        return submitted
     future: Future[T] = Future()
     future.set_running_or_notify_cancel()
     try:
