@@ -113,7 +113,7 @@ class BlockHasher:
         count = (end - at) // size
         found = xxh3_blocks(data, at, count, size) if count and self._free else None
         if found is not None:  # without the GIL (free_hash.py says why)
-            self._parts.extend(found)
+            self._parts.append(found)
             at += count * size
         whole = self._whole  # whole blocks in one call each: no hasher object per block (a tree's 64 KiB pieces)
         while end - at >= size:

@@ -52,7 +52,9 @@ from .errors import (
 )
 from .manifest import MAX_MANIFEST_BYTES, Manifest
 from .manifest_parse import parse_manifest
+from .manifest_template import ManifestTemplate
 from .plan import RankResult, merge_results
+from .plan_cache import PlanCache
 from .storage import Store
 from .store_reports import leader_of, ranks_of_store, read_store_parts, receive_reports, send_to_leader, store_part
 from .tree_digests import file_digest_of
@@ -328,10 +330,19 @@ class SoloCommit:
         self.metadata = dict(metadata)
         self._committer = committer
 
-    def commit_result(self, result: RankResult, *, written: Sequence[str]) -> str:
+    def commit_result(self, result: RankResult, *, written: Sequence[str], cache: PlanCache | None = None) -> str:
+        """Merge ``result`` into the manifest and commit it. With ``cache`` (a writer whose plan repeats), the
+        manifest is its template filled when ``result`` fits it (manifest_template.py), and otherwise built as
+        always and made the template for the next."""
         try:
+            template = cache.template if cache is not None else None
+            data = template.render(result, profile=self.profile, metadata=self.metadata) if template else None
+            if data is not None:
+                return self._committer.commit_bytes(data, [f.path for f in result.files], written)
             manifest = merge_results([result], profile=self.profile, metadata=self.metadata)
             check_bases_still_there(self.store, manifest)
+            if cache is not None:
+                cache.template = ManifestTemplate.of(manifest, result)
             return self._committer.commit(manifest, written)
         except BaseException:
             self._committer.abort(written)

@@ -134,7 +134,10 @@ class Committer:
 
         On failure nothing is committed and the error propagates; the caller aborts.
         """
-        data = manifest.to_bytes()
+        return self.commit_bytes(manifest.to_bytes(), [f.path for f in manifest.files], written)
+
+    def commit_bytes(self, data: bytes, files: Iterable[str], written: Iterable[str]) -> str:
+        """:meth:`commit` of a manifest given as its canonical bytes, which list ``files``."""
         if self.check_manifest:
             parse_manifest(data)  # never commit what a reader would refuse
         self.store.sync_dirs(written)
@@ -147,7 +150,7 @@ class Committer:
         # Committed. What follows is clean-up (step 6): a failure there must not report a committed save as
         # failed; what it leaves (old files, the lock) is for gc, and this process may take its lock over.
         try:
-            keep = {f.path for f in manifest.files}
+            keep = set(files)
             for path in self.old_files:
                 if path not in keep and path not in (MANIFEST_NAME, LOCK_NAME):
                     self.store.delete(path)

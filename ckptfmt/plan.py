@@ -190,7 +190,7 @@ class _TensorDecl:
     dtype: str
     shape: Shape
     sharded: bool
-    chunk_offsets: set[Shape] = field(default_factory=set)
+    chunk_offsets: set[Shape] | None = None  # a sharded tensor's chunks so far (a whole one has only the one)
 
 
 class RankPlanner:
@@ -353,9 +353,12 @@ class RankPlanner:
                 field=field_name,
                 tensor=name,
             )
-        if offs in decl.chunk_offsets:
-            raise UsageError(f"chunk at {list(offs)} was already written", field=field_name, tensor=name)
-        decl.chunk_offsets.add(offs)
+        if sharded:
+            if decl.chunk_offsets is None:
+                decl.chunk_offsets = set()
+            if offs in decl.chunk_offsets:
+                raise UsageError(f"chunk at {list(offs)} was already written", field=field_name, tensor=name)
+            decl.chunk_offsets.add(offs)
         return gshape, offs
 
     def place(

@@ -29,22 +29,34 @@ FILE_DOMAIN = b"ckptfmt/tree/file"
 
 def _combine(base: str, domain: bytes, leaves: list[tuple[int, bytes]]) -> str:
     hasher = new_hasher(base)
-    hasher.update(domain)
-    for nbytes, raw in leaves:
-        hasher.update(struct.pack("<Q", nbytes) + raw)
+    hasher.update(domain + b"".join(struct.pack("<Q", nbytes) + raw for nbytes, raw in leaves))
     return hasher.hexdigest()
 
 
-def _pieces(nbytes: int, pieces_hex: str) -> list[tuple[int, bytes]]:
-    raw = bytes.fromhex(pieces_hex)
+_WHOLE_LEAF = struct.pack("<Q", LEAF_BYTES)
+
+
+def _piece_records(nbytes: int, pieces_hex: str) -> bytes:
+    """Every piece's record (its length, u64 LE, then its raw digest) of a segment of ``nbytes`` bytes whose pieces
+    hash to ``pieces_hex``, back to back: built by joins, not a Python step per piece (4096 pieces a 256 MiB
+    snapshot hashes on the trainer's spare core, under the GIL)."""
     count = -(-nbytes // LEAF_BYTES)
-    width = len(raw) // count if count else 0
-    return [(min(LEAF_BYTES, nbytes - i * LEAF_BYTES), raw[i * width : (i + 1) * width]) for i in range(count)]
+    if not count:
+        return b""
+    raw = bytes.fromhex(pieces_hex)
+    width = len(raw) // count
+    pieces = [raw[i : i + width] for i in range(0, count * width, width)]
+    last = struct.pack("<Q", nbytes - (count - 1) * LEAF_BYTES) + pieces[-1]
+    if count == 1:
+        return last
+    return _WHOLE_LEAF + _WHOLE_LEAF.join(pieces[:-1]) + last
 
 
 def chunk_tree_hex(base: str, nbytes: int, pieces_hex: str) -> str:
     """The hex of the chunk tree digest of ``nbytes`` bytes whose pieces hash to ``pieces_hex`` (back to back)."""
-    return _combine(base, CHUNK_DOMAIN, _pieces(nbytes, pieces_hex))
+    hasher = new_hasher(base)
+    hasher.update(CHUNK_DOMAIN + _piece_records(nbytes, pieces_hex))
+    return hasher.hexdigest()
 
 
 def entry_digest(algorithm: str, nbytes: int, pieces_hex: str) -> str:

@@ -28,7 +28,7 @@ from .arrays import byte_view
 from .blocks import BlockHasher, Blocks
 from .codecs import get_codec
 from .digests import base_algorithm, digest_of, format_digest, is_tree, new_hasher
-from .manifest import RAW, ChunkRecord, Codec, FileRecord
+from .manifest import RAW, RAW_CODEC, ChunkRecord, Codec, FileRecord
 from .plan import FilePlan, PlacedChunk
 from .safetensors_io import build_header
 from .storage import Store
@@ -119,15 +119,19 @@ class WriteExecutor:
         # this process compares unchanged data with (its stored digest covers compressed bytes; ckptfmt/incremental.py)
         self.raw_digests: dict[tuple[str, str, tuple[int, ...]], str] = {}
         self.written: list[str] = []  # every path published, in order, for abort
+        self.headers: dict[str, tuple[bytes, list[int]]] = {}  # raw data files' headers, for a plan cache
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write")
         self._inflight: list[Future[None]] = []
         self._max_inflight = workers
 
-    def submit(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
-        """Queue one data file; blocks while ``workers`` files are already in flight (the memory bound)."""
+    def submit(
+        self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]], *, header: tuple[bytes, list[int]] | None = None
+    ) -> None:
+        """Queue one data file; blocks while ``workers`` files are already in flight (the memory bound). ``header``:
+        the file's header and entry starts, when known already (a raw file of a recorded plan, plan_cache.py)."""
         self.drain(self._max_inflight - 1)
-        self._inflight.append(submit_or_run(self._pool, self._write_data_file, plan, arrays))
+        self._inflight.append(submit_or_run(self._pool, self._write_data_file, plan, arrays, header))
 
     def write_blob(self, path: str, data: bytes) -> FileRecord:
         """Write a small blob (a context map) synchronously: a flat digest, as it is no data file (TRE-2)."""
@@ -158,7 +162,9 @@ class WriteExecutor:
             self.written.append(record.path)
             self.files[record.path] = record
 
-    def _write_data_file(self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]]) -> None:
+    def _write_data_file(
+        self, plan: FilePlan, arrays: Sequence[np.ndarray[Any, Any]], known: tuple[bytes, list[int]] | None
+    ) -> None:
         views: list[memoryview] = []
         codecs: list[Codec] = []
         header_entries: list[tuple[str, str, tuple[int, ...], int]] = []
@@ -166,7 +172,7 @@ class WriteExecutor:
             view = byte_view(array)
             if not e.encoded:
                 views.append(view)
-                codecs.append(Codec())
+                codecs.append(RAW_CODEC)
                 header_entries.append((e.key, e.dtype, e.shape, e.nbytes))
                 continue
             # Header building follows encoding: an encoded entry is a U8 entry of its stored size (COD-3).
@@ -181,7 +187,11 @@ class WriteExecutor:
             config = encoded.configuration
             codecs.append(Codec(name=e.codec.name, configuration=None if config is None else config.to_dict()))
             header_entries.append((e.key, "U8", (len(stored),), len(stored)))
-        header, starts = build_header(header_entries)
+        raw = all(c is RAW_CODEC for c in codecs)
+        header, starts = known if known is not None and raw else build_header(header_entries)
+        if raw:
+            with self._lock:
+                self.headers[plan.path] = (header, starts)
         block = self.block_bytes
         sizes = [
             block if block and c.name == RAW and len(v) > block else None for v, c in zip(views, codecs, strict=True)

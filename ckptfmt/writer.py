@@ -38,7 +38,7 @@ from .canonical import config_hash, config_to_dict
 from .codecs import WriteCodec
 from .codecs.xor_zstd import NAME as XOR_ZSTD
 from .collective import Collective
-from .collective_commit import COORDINATOR, start_commit
+from .collective_commit import COORDINATOR, SoloCommit, start_commit
 from .context import encode
 from .digests import DEFAULT_ALGORITHM
 from .errors import CheckpointError, CollectiveError, UsageError
@@ -46,7 +46,8 @@ from .fields import check_standard_field
 from .incremental import ChunkKey, RawDigests, ReferenceStats, open_base_index
 from .manifest import FileRecord
 from .paths import check_field_name
-from .plan import FilePlan, RankPlanner, RankResult
+from .plan import RAW_WRITE, FilePlan, RankPlanner, RankResult
+from .plan_cache import Call, PlanCache, PlanReplay
 from .profiles import PROFILES
 from .provenance import default_provenance
 from .references import BaseRecord
@@ -89,6 +90,7 @@ class CheckpointWriter:
         before_replace: Callable[[], None] | None = None,
         committed_elsewhere: bool = False,
         check_manifest: bool = True,
+        plan_cache: PlanCache | None = None,
     ) -> None:
         options = WriteOptions.check(
             profile=profile,
@@ -125,6 +127,10 @@ class CheckpointWriter:
         self._planner = RankPlanner(
             rank=self.rank, target_file_size=options.target_file_size, codec=options.codec, base=self._base
         )
+        # plan_cache: the plan of the last writer given it, taken instead of planning while the calls are the same
+        # (ckptfmt/plan_cache.py); raw writes without a base only
+        cacheable = plan_cache is not None and options.codec == RAW_WRITE and self._base is None
+        self._replay = PlanReplay(plan_cache) if plan_cache is not None and cacheable else None
         self._arrays: dict[tuple[str, str], np.ndarray[Any, Any]] = {}  # (field, key) -> pending array
         self._contexts: dict[str, str] = {}
         self._closed = False
@@ -168,15 +174,43 @@ class CheckpointWriter:
         self._executor.raise_background_error()
         check_field_name(field)
         data, dtype = as_array(array)
-        for placed in self._planner.add_array(field, name, data, dtype, global_shape=global_shape, offsets=offsets):
+        replay = self._replay
+        if replay is not None:
+            call: Call = (
+                field,
+                name,
+                dtype,
+                data.shape,
+                None if global_shape is None else tuple(global_shape),
+                None if offsets is None else tuple(offsets),
+            )
+            if replay.matching:
+                planned = replay.match(call)
+                if planned is not None and planned.entry is not None:
+                    for plan in planned.full:
+                        self._submit(plan, replayed=True)
+                    self._arrays[(field, planned.entry.key)] = data
+                    return
+                self._leave_plan_cache()
+        placements = self._planner.add_array(field, name, data, dtype, global_shape=global_shape, offsets=offsets)
+        for placed in placements:
             for plan in placed.full:
                 self._submit(plan)
             self._arrays[(field, placed.entry.key)] = placed.data
+        if replay is not None:
+            (placed,) = placements  # raw and without a base: one chunk per call
+            replay.record(call, placed.entry, placed.full)
 
     def write_tensors(self, field: str, tensors: Mapping[str, object]) -> None:
         """Add a mapping of tensors to a field (an empty mapping declares an empty tensor field)."""
         self._check_open()
-        self._planner.declare_field(field)
+        replay = self._replay
+        if replay is None or not replay.matching or replay.match((field,)) is None:
+            if replay is not None:
+                self._leave_plan_cache()
+            self._planner.declare_field(field)
+            if replay is not None:
+                replay.record((field,), None, ())
         for name, array in tensors.items():
             self.write_tensor(field, name, array)
 
@@ -206,9 +240,22 @@ class CheckpointWriter:
     def flush(self) -> None:
         """Write every pending tensor and wait until its file is durable."""
         self._check_open()
-        for plan in self._planner.finish():
-            self._submit(plan)
+        replay = self._replay
+        tail = None
+        if replay is not None and not replay.flushed:
+            tail = replay.tail()
+            if tail is None:
+                self._leave_plan_cache()
+        if tail is not None:
+            for plan in tail:
+                self._submit(plan, replayed=True)
+        else:
+            tail = tuple(self._planner.finish())
+            for plan in tail:
+                self._submit(plan)
         self._executor.drain(0)
+        if replay is not None:
+            replay.keep(tail, self._executor.headers)
 
     def result(self) -> RankResult:
         """This rank's records so far (after :meth:`flush`): what it hands the coordinator."""
@@ -221,7 +268,7 @@ class CheckpointWriter:
             files=tuple(self._executor.files[p] for p in sorted(self._executor.files)),
             chunks=(*self._executor.chunks, *references),
             contexts=dict(self._contexts),
-            tensor_fields=tuple(sorted(self._planner.tensors)),
+            tensor_fields=tuple(sorted({*self._planner.tensors, *(self._replay.fields if self._replay else ())})),
             bases=bases,
         )
 
@@ -255,7 +302,12 @@ class CheckpointWriter:
             self._fail(exc)
             raise
         try:
-            self.checkpoint_id = self._commit.commit_result(mine, written=self._executor.written)
+            if isinstance(self._commit, SoloCommit) and self._replay is not None:
+                # the manifest of a plan that repeats: a template, filled (manifest_template.py)
+                cache = self._replay.cache if self._replay.matching else None
+                self.checkpoint_id = self._commit.commit_result(mine, written=self._executor.written, cache=cache)
+            else:
+                self.checkpoint_id = self._commit.commit_result(mine, written=self._executor.written)
         finally:
             self._close()
         return self.checkpoint_id
@@ -319,9 +371,35 @@ class CheckpointWriter:
         if self._base is not None:
             self._base.close()
 
-    def _submit(self, plan: FilePlan) -> None:
+    def _submit(self, plan: FilePlan, *, replayed: bool = False) -> None:
         arrays = [self._arrays.pop((plan.field, e.key)) for e in plan.entries]
-        self._executor.submit(plan, arrays)
+        header = self._replay.header(plan.path) if replayed and self._replay is not None else None
+        self._executor.submit(plan, arrays, header=header)
+
+    def _leave_plan_cache(self) -> None:
+        """A call differs from the recorded plan: hand the calls matched so far to the planner (its files were
+        submitted already: the planner closes the same ones again, and they are not submitted twice)."""
+        replay = self._replay
+        assert replay is not None
+        matched = replay.handover()
+        for planned in matched:
+            call = planned.call
+            if len(call) == 1:
+                self._planner.declare_field(call[0])
+            else:
+                fname, name, dtype, shape, global_shape, offsets = call
+                assert planned.entry is not None
+                self._planner.add(
+                    fname,
+                    name,
+                    dtype=dtype,
+                    shape=shape,
+                    nbytes=planned.entry.nbytes,
+                    global_shape=global_shape,
+                    offsets=offsets,
+                )
+        if matched and replay.flushed:
+            self._planner.finish()  # the recorded tail, written by that flush
 
     def _fail(self, exc: BaseException) -> None:
         """Abort this rank's part; with several ranks, tell the coordinator, so every rank aborts."""

@@ -16,7 +16,10 @@ def _reference(data: bytes, size: int) -> list[str]:
 
 
 def test_the_binding_s_own_function_is_found_and_checked() -> None:
-    assert free_hash._xxh3() is not None  # the xxhash wheel exports XXH3_128bits; elsewhere the fallback is taken
+    function = free_hash._xxh3()
+    assert function is not None  # the xxhash wheel exports XXH3_128bits; elsewhere the fallback is taken
+    # ... and its dispatching entry, twice as fast as the plain one on a CPU with AVX2 (the CI's and this one's)
+    assert getattr(function, "__name__", "") == "XXH3_128bits_dispatch"
 
 
 @settings(max_examples=40, deadline=None)
@@ -26,7 +29,7 @@ def test_whole_blocks_hash_as_the_binding_does(data: bytes, size: int, skip: int
     at = min(skip, len(buffer))
     count = (len(buffer) - at) // size
     found = free_hash.xxh3_blocks(memoryview(buffer), at, count, size)
-    assert found == _reference(bytes(buffer[at:]), size)
+    assert found == "".join(_reference(bytes(buffer[at:]), size))
 
 
 def test_read_only_and_strided_buffers_fall_back() -> None:

@@ -46,11 +46,16 @@ class WriteCodec:
         return cls(name=name, options=_REGISTRY[name].parse_options(argument))
 
 
+_RAW_WRITE = WriteCodec()  # one for every raw entry: immutable, and a write of many tensors makes none per entry
+
+
 def writer_codec(choice: WriteCodec, *, dtype: str, nbytes: int) -> WriteCodec:
     """The codec one entry is written with: the codec skips chunks where encoding cannot pay (zstd: empty,
     tiny, boolean or integer chunks stay raw), so such tensors stay readable by 1.0 readers."""
-    if choice.name == RAW or not get_codec(choice.name).worth_encoding(dtype=dtype, nbytes=nbytes):
-        return WriteCodec()
+    if choice.name == RAW:
+        return choice
+    if not get_codec(choice.name).worth_encoding(dtype=dtype, nbytes=nbytes):
+        return _RAW_WRITE
     return choice
 
 

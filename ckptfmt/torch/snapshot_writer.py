@@ -38,6 +38,7 @@ from ..collective import Collective
 from ..decide import decide
 from ..errors import CheckpointError, MalformedMessageError
 from ..manifest import FileRecord
+from ..plan_cache import PlanCache
 from ..run import RunDirectory
 from ..storage.slot import SlotStore
 from ..thread_pools import submit_or_run
@@ -119,6 +120,7 @@ class SnapshotWriter:
         self._writing: int | None = None  # the slot of the snapshot being written
         self._refused: CheckpointError | None = None  # why this snapshot's copies are not to be written anywhere
         self.buffers = HostBuffers(pinned=True) if torch.cuda.is_available() else None
+        self.plan_cache = PlanCache()  # every snapshot writes the same tensors: planned once (plan_cache.py)
         self.newest: SlotRef | None = None  # the newest commit
         self.snapshots = 0
         self.skipped = 0  # snapshots not taken: no slot could be written (MEM-2), or their write failed
@@ -299,6 +301,7 @@ class SnapshotWriter:
             store_of_rank=self.nodes.store_of_rank() if spread else None,
             workers=1,  # a copy into memory is bound by memory, not by a disk's queue: one core does it
             check_manifest=False,  # parsed by whoever reads the slot, which passes over one it refuses (MEM-6)
+            plan_cache=self.plan_cache,
         )
         state.stage_snapshot(writer, snap)
         try:
