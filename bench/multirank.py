@@ -8,7 +8,12 @@ saved and loaded by ckptfmt (``ckptfmt.torch.save``/``load``) and by DCP (``dcp.
 the same state dicts), alternating, medians of ``--repeat``; every save is made durable (ckptfmt
 fsyncs; DCP's files are fsynced by its writer) and the checkpoint's files are evicted from the page cache
 before each load (fsync + ``posix_fadvise(DONTNEED)`` per file, which needs no root), then ``sync`` and a
-second of quiet, so no load is timed against the writeback of the saves before it. It also loads the
+second of quiet, so no load is timed against the writeback of the saves before it. Before each save every
+rank writes and deletes a scratch file of its share of the state and a quarter more (``ranks.warm_page_cache``),
+so every save starts from memory the hypervisor already backs, as in ``bench/save_phases.py``. Without it this
+bench was wrong about the saves through the page cache: it keeps every save's files, so safetensors and DCP wrote
+into memory this VM's host backs lazily, a cost of the VM and not theirs (safetensors' 1-rank save of 384 MiB at
+``--size-mib 128`` took 1.15 s; the disk writes 256 MiB in 0.13 s). It also loads the
 4-rank ckptfmt checkpoint on 3 and on 2 ranks (the load path's ``read_snapshot``) and reports the tensor
 bytes each rank fetched (``Checkpoint.bytes_read``) over the checkpoint's tensor bytes (the sum of its
 chunks' stored sizes): the ideal is 1/3 and 1/2. Prints markdown tables (``--json OUT``: the figures);
@@ -32,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ranks  # bench/ is not a package
-from ranks import evict, fsync_path, settle
+from ranks import evict, fsync_path, settle, warm_page_cache
 
 
 def tensor_bytes(ckpt: Any) -> int:
@@ -80,6 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     sampler = ct.ResumableSampler(1000, seed=1, rank=rank, world_size=world)
     config = {"layers": layers, "width": width}
     out = Path(args.out)
+    share = 3 * sum(local(p).nbytes for p in model.parameters())  # this rank's parameters and both AdamW moments
     result: dict[str, Any] = {}
 
     def timed(fn: Any) -> float:
@@ -148,6 +154,7 @@ def worker(args: argparse.Namespace) -> None:
             saves = [("ckptfmt_save", ckptfmt_save), ("dcp_save", dcp_save), ("safetensors_save", safetensors_save)]
             loads = [("ckptfmt_load", ckptfmt_load, url), ("dcp_load", dcp_load, dcp_dir)]
             for key, fn in saves if i % 2 == 0 else saves[::-1]:
+                warm_page_cache(out, share + share // 4)  # every save starts from the same memory (ranks.py)
                 result.setdefault(key, []).append(timed(fn))
             for key, fn, path in loads if i % 2 == 0 else loads[::-1]:
                 if rank == 0:

@@ -4,12 +4,16 @@ run, and where a ckptfmt save spends its time.
     python bench/save_phases.py [--mib 256] [--repeat 5] [--dir DIR] [--json OUT] [--no-phases]
 
 The state is ``--mib`` MiB in all: fp32 weights of a stack of linear layers and AdamW's two moments (one step
-taken). Each repetition saves it once with each method, into a fresh directory, in an order that rotates each
-repetition; before each save, ``sync`` and a second of quiet (``ranks.settle``), so no save is timed against the
-writeback of the one before. Every save is durable: ckptfmt fsyncs its files and directories; DCP's
-FileSystemWriter fsyncs its files (its default); ``safetensors.torch.save_file`` of the flattened state and
-``torch.save`` are each followed by an fsync of the file and its directory. Reported: the median of ``--repeat``
-and the per-repetition ratio's range, ratio = peer time / ckptfmt time (>1: ckptfmt faster).
+taken). Each repetition saves it once with each method, into a fresh directory (removed after the save), in an
+order that rotates each repetition; before each save, ``sync`` and a second of quiet (``ranks.settle``), so no save
+is timed against the writeback of the one before, then a scratch file of the state's size and a quarter more written
+and deleted (``ranks.warm_page_cache``), so every save starts from memory the hypervisor already backs. Without the
+scratch file this bench was wrong: each save found whatever memory the saves before it had freed, so the figures
+depended on the order (192 MiB: DCP 0.36-0.39 s right after ckptfmt's save, 0.16 s first in a repetition;
+safetensors, right after DCP's removed directory, at the disk's speed). Every save is durable: ckptfmt fsyncs its
+files and directories; DCP's FileSystemWriter fsyncs its files (its default); ``safetensors.torch.save_file`` of the
+flattened state and ``torch.save`` are each followed by an fsync of the file and its directory. Reported: the median
+of ``--repeat`` and the per-repetition ratio's range, ratio = peer time / ckptfmt time (>1: ckptfmt faster).
 
 Phases (unless ``--no-phases``, and when ``yappi`` is installed: ``pip install yappi``): one more ckptfmt save
 under yappi's wall clock, every thread, with the time of each group of functions, summed over threads (threads
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ranks import fsync_path, settle  # bench/ is not a package
+from ranks import fsync_path, settle, warm_page_cache  # bench/ is not a package
 
 # yappi function-name fragments (module path or name) -> phase
 PHASES: dict[str, tuple[str, ...]] = {
@@ -122,8 +126,10 @@ def methods(model: Any, optimizer: Any) -> dict[str, Callable[[Path], None]]:
     }
 
 
-def timed(fn: Callable[[Path], None], path: Path) -> float:
+def timed(fn: Callable[[Path], None], path: Path, nbytes: int) -> float:
     settle()
+    # after the quiet, not before: the host may take back memory freed a second or two earlier (ranks.py)
+    warm_page_cache(path.parent, nbytes + nbytes // 4)
     start = time.perf_counter()
     fn(path)
     return time.perf_counter() - start
@@ -167,15 +173,15 @@ def main() -> None:
     saves = methods(model, optimizer)
     names = list(saves)
     times: dict[str, list[float]] = {n: [] for n in names}
+    nbytes = sum(p.numel() * 4 for p in model.parameters()) * 3
     with tempfile.TemporaryDirectory(prefix="save-phases-", dir=root) as tmp:
         for i in range(args.repeat):
             order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
                 path = Path(tmp) / f"{name}-{i}"
-                times[name].append(timed(saves[name], path))
+                times[name].append(timed(saves[name], path, nbytes))
                 shutil.rmtree(path)
         split = None if args.no_phases else phases(saves["ckptfmt"], Path(tmp) / "profiled")
-    nbytes = sum(p.numel() * 4 for p in model.parameters()) * 3
     print(f"{nbytes / (1 << 20):.0f} MiB of fp32 weights + AdamW moments, one process, durable saves, "
           f"median of {args.repeat}; ratio = peer time / ckptfmt time per repetition (>1: ckptfmt faster)")  # fmt: skip
     print()
