@@ -121,7 +121,9 @@ class WriteExecutor:
         self.written: list[str] = []  # every path published, in order, for abort
         self.headers: dict[str, tuple[bytes, list[int]]] = {}  # raw data files' headers, for a plan cache
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write")
+        # workers=0: each file written on the caller's thread when submitted (a caller that is a background thread
+        # already, as a memory snapshot's: no thread started, no hand-off per file)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-write") if workers else None
         self._inflight: list[Future[None]] = []
         self._max_inflight = workers
 
@@ -130,6 +132,9 @@ class WriteExecutor:
     ) -> None:
         """Queue one data file; blocks while ``workers`` files are already in flight (the memory bound). ``header``:
         the file's header and entry starts, when known already (a raw file of a recorded plan, plan_cache.py)."""
+        if self._pool is None:
+            self._write_data_file(plan, arrays, header)
+            return
         self.drain(self._max_inflight - 1)
         self._inflight.append(submit_or_run(self._pool, self._write_data_file, plan, arrays, header))
 
@@ -155,7 +160,8 @@ class WriteExecutor:
         for future in self._inflight:
             future.exception()
         self._inflight.clear()
-        self._pool.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def _record(self, record: FileRecord) -> None:
         with self._lock:

@@ -55,8 +55,8 @@ class WriteOptions:
         """The options, or a :class:`~ckptfmt.errors.UsageError` naming the first one that is wrong."""
         if profile not in PROFILES:
             raise UsageError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
-        if target_file_size <= 0 or workers <= 0 or rank < 0:
-            raise UsageError("target_file_size and workers must be positive, rank non-negative")
+        if target_file_size <= 0 or workers < 0 or rank < 0:
+            raise UsageError("target_file_size must be positive; workers and rank non-negative")
         if collective is not None and collective.rank != rank:
             rank = collective.rank
         file_hasher(digest)  # fail early on an unknown algorithm

@@ -11,7 +11,8 @@ commits a save whose ranks write to several stores). A failure on any rank abort
 rank with the same error, and no manifest is written.
 
 Memory bound: besides the caller's own arrays, the writer holds references to at most
-``workers + 1`` files' worth of pending tensors (never copies, except to make a non-contiguous or
+``workers + 1`` files' worth of pending tensors (``workers=0``: each file is written on the caller's thread as it
+fills, for a caller that is a background thread already) (never copies, except to make a non-contiguous or
 big-endian array contiguous little-endian, or a GPU tensor host-resident), one I/O slice of
 ``SLICE_BYTES`` per worker thread, and the records. With a codec, each worker also holds one encoded
 data file (at most ``plan.ENCODED_FILE_BYTES`` = 64 MiB of raw data; larger tensors are cut into

@@ -458,13 +458,31 @@ def test_context_twice_and_non_mapping_context(store_url: str) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"target_file_size": 0}, {"workers": 0}, {"rank": -1}, {"digest": "md5"}, {"metadata": {"a": 1}}],
+    [{"target_file_size": 0}, {"workers": -1}, {"rank": -1}, {"digest": "md5"}, {"metadata": {"a": 1}}],
     ids=repr,
 )
 def test_bad_writer_options(store_url: str, options: dict[str, Any]) -> None:
     with pytest.raises(UsageError):
         ckptfmt.open_writer(store_url, profile="weights", **options)
     assert listing(store_url) == {}
+
+
+def test_no_workers_writes_on_the_caller_s_thread(tmp_path: Any) -> None:
+    import threading
+
+    arrays = {f"t{i}": np.full((64, 64), i, np.float32) for i in range(5)}
+    written: dict[int, bytes] = {}
+    for workers in (0, 2):
+        url = str(tmp_path / f"w{workers}")
+        before = {t.name for t in threading.enumerate()}
+        with ckptfmt.open_writer(url, profile="weights", workers=workers, target_file_size=1 << 15) as w:
+            w.write_tensors("weights", arrays)
+            w.write_context("provenance", PROVENANCE)
+            started = {t.name for t in threading.enumerate()} - before
+        assert any(name.startswith("ckptfmt-write") for name in started) == (workers > 0)
+        store = ckptfmt.open_store(url)
+        written[workers] = b"".join(store.read(p) for p in sorted(store.list()))
+    assert written[0] == written[2]
 
 
 def test_sha256_digests_and_metadata(store_url: str) -> None:

@@ -299,7 +299,9 @@ class SnapshotWriter:
             collective=self.collective,
             metadata=binding.to_metadata(),
             store_of_rank=self.nodes.store_of_rank() if spread else None,
-            workers=1,  # a copy into memory is bound by memory, not by a disk's queue: one core does it
+            # on this thread: a copy into memory is bound by memory, not by a disk's queue, so one core does it, and
+            # no thread is started and no file handed over per snapshot
+            workers=0,
             check_manifest=False,  # parsed by whoever reads the slot, which passes over one it refuses (MEM-6)
             plan_cache=self.plan_cache,
         )
