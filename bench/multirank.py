@@ -13,7 +13,11 @@ rank writes and deletes a scratch file of its share of the state and a quarter m
 so every save starts from memory the hypervisor already backs, as in ``bench/save_phases.py``. Without it this
 bench was wrong about the saves through the page cache: it keeps every save's files, so safetensors and DCP wrote
 into memory this VM's host backs lazily, a cost of the VM and not theirs (safetensors' 1-rank save of 384 MiB at
-``--size-mib 128`` took 1.15 s; the disk writes 256 MiB in 0.13 s). It also loads the
+``--size-mib 128`` took 1.15 s; the disk writes 256 MiB in 0.13 s). The same holds before each timed load, after
+the quiet second (in which the host takes back what the eviction freed): every rank writes and deletes a scratch file
+of two and a half times its share, for the load's page cache, its new tensors and its buffers. Without it a restart,
+which allocates the optimizer's moments, paid 0.3-0.6 s per 256 MiB of new memory or nothing, by chance (DCP's 1-rank
+restart of 384 MiB took 0.40-1.43 s between runs, ckptfmt's 0.49-0.53 s). It also loads the
 4-rank ckptfmt checkpoint on 3 and on 2 ranks (the load path's ``read_snapshot``) and reports the tensor
 bytes each rank fetched (``Checkpoint.bytes_read``) over the checkpoint's tensor bytes (the sum of its
 chunks' stored sizes): the ideal is 1/3 and 1/2. Prints markdown tables (``--json OUT``: the figures);
@@ -101,13 +105,21 @@ def worker(args: argparse.Namespace) -> None:
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(into, into_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+    def cold(path: Path) -> None:
+        """Before a timed load: ``path``'s files out of the page cache and the disk quiet (rank 0), then every rank
+        writes and deletes a scratch file of its share of the state two and a half times, so the load's page cache,
+        new tensors and buffers come from memory the hypervisor already backs (``ranks.warm_page_cache``)."""
+        if rank == 0:
+            evict(path)
+            settle()
+        dist.barrier()
+        warm_page_cache(out, 2 * share + share // 2)
+
     def restarts(ours: Path, theirs: Path, i: int) -> None:
         """Each side's load into fresh objects, built before the clock starts (the order alternating with ``i``)."""
         for key, path in [("ckptfmt_restart", ours), ("dcp_restart", theirs)][:: 1 if i % 2 == 0 else -1]:
             fresh, fresh_optimizer = build()
-            if rank == 0:
-                evict(path)
-                settle()
+            cold(path)
             load: Callable[[], object]
             if key == "ckptfmt_restart":
                 load = functools.partial(
@@ -157,9 +169,7 @@ def worker(args: argparse.Namespace) -> None:
                 warm_page_cache(out, share + share // 4)  # every save starts from the same memory (ranks.py)
                 result.setdefault(key, []).append(timed(fn))
             for key, fn, path in loads if i % 2 == 0 else loads[::-1]:
-                if rank == 0:
-                    evict(path)  # cold: the files were just written, so all of them are cached
-                    settle()
+                cold(path)  # the files were just written, so all of them are cached
                 result.setdefault(key, []).append(timed(fn))
             # A restart: fresh objects (built before the clock starts), whose optimizer has no state yet, so both
             # loads allocate it (DCP's get_state_dict initializes it; ckptfmt reads into new arrays it adopts).
@@ -190,9 +200,7 @@ def worker(args: argparse.Namespace) -> None:
         reads = [("ckptfmt_read", ckptfmt_read, keep), ("dcp_load", dcp_load, dcp_keep)]
         for i in range(args.repeat):  # alternating which goes first, each cold
             for key, fn, path in reads if i % 2 == 0 else reads[::-1]:
-                if rank == 0:
-                    evict(path)
-                    settle()
+                cold(path)
                 result.setdefault(key, []).append(timed(fn))
             # The recovery this is about: fewer ranks restart from the checkpoint of a lost node's run, into fresh
             # objects whose optimizer has no state yet; each load is the whole restore (read, verify, apply).
