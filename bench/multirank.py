@@ -17,7 +17,7 @@ into memory this VM's host backs lazily, a cost of the VM and not theirs (safete
 the quiet second (in which the host takes back what the eviction freed): every rank writes and deletes a scratch file
 of two and a half times its share, for the load's page cache, its new tensors and its buffers. Without it a restart,
 which allocates the optimizer's moments, paid 0.3-0.6 s per 256 MiB of new memory or nothing, by chance (DCP's 1-rank
-restart of 384 MiB took 0.40-1.43 s between runs, ckptfmt's 0.49-0.53 s). It also loads the
+restart of 384 MiB took 0.57-1.43 s in three runs, ckptfmt's 0.30-0.53 s). It also loads the
 4-rank ckptfmt checkpoint on 3 and on 2 ranks (the load path's ``read_snapshot``) and reports the tensor
 bytes each rank fetched (``Checkpoint.bytes_read``) over the checkpoint's tensor bytes (the sum of its
 chunks' stored sizes): the ideal is 1/3 and 1/2. Prints markdown tables (``--json OUT``: the figures);
