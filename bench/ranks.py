@@ -1,5 +1,5 @@
-"""What the multi-rank benches share: ranks as processes on loopback, a disk left quiet between timings, and the
-same page-cache memory before each timed save.
+"""What the multi-rank benches share: ranks as processes on loopback, a disk left quiet between timings, and memory
+the hypervisor already backs before each timed save or load.
 
 ``launch`` runs a bench script once per rank with ``--worker --mode MODE --out OUT`` plus its own arguments, under
 torch.distributed's environment variables, and reads each rank's ``result-<mode>-<world>-<rank>.json``.
