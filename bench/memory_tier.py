@@ -1,7 +1,8 @@
 """The memory tier against today's saves, in one run: the trainer's cost per snapshot, durable saves made from
 memory against async saves, and the time from a kill to the first resumed step from memory against from disk.
 
-    python bench/memory_tier.py [--mib 16 64 256] [--steps 40] [--every 8] [--json FILE] [--no-torchrun]
+    python bench/memory_tier.py [--mib 16 64 256] [--steps 40] [--every 8] [--rounds 7] [--block 8] [--json FILE]
+                                [--no-torchrun]
 
 For each state size (weights + two AdamW moments, float32, per rank; one rank, CPU, one training thread)
 one process trains an MLP through phases, each ``--steps`` steps, same model and data:
@@ -16,7 +17,10 @@ one process trains an MLP through phases, each ``--steps`` steps, same model and
 - ``memory+durable``: memory every step, durable every ``--every`` steps made from memory (a byte copy of
   the slot, throttled): median step time while a persist is in flight;
 - ``async``: today's ``CheckpointManager(async_save=True)`` every ``--every`` steps: median step time while
-  its save is in flight.
+  its save is in flight;
+- ``interleaved``: the step time at ``memory_every=1`` and with ``torch.save`` into tmpfs every step, against no
+  checkpoint, in alternating blocks of one model (``--rounds`` x ``--block`` steps per arm): the figure that holds
+  against this VM's drift between phases (the phases' ratios take the faster of two plain phases minutes apart).
 
 Then the recovery: a worker process trains to a step past the last durable save, is SIGKILLed, the page cache
 is dropped (a restarted node's cache does not hold the run directory; tmpfs pages stay), and a fresh process
@@ -131,6 +135,67 @@ def phase(name: str, args: argparse.Namespace, mib: int, work: Path) -> dict[str
         mgr.close()
         if memory is not None and memory.last_persisted is not None:
             out["persist_s"] = memory.last_persisted.seconds
+    return out
+
+
+ARMS = ("plain", "memory", "torch.save")  # the interleaved comparison's arms: the baseline first
+
+
+def interleaved(args: argparse.Namespace, mib: int, work: Path) -> dict[str, Any]:
+    """Step time with a snapshot every step against no checkpoint and against ``torch.save`` into tmpfs, in
+    alternating blocks of one model and one manager (``--rounds`` x ``--block`` steps each, the arms' order rotated
+    every round): this VM's step time drifts between phases minutes apart by as much as the snapshot costs (45 and
+    50 ms for two plain phases of one run), and blocks next to each other share that drift. A snapshot block ends
+    with ``wait_memory()``, outside the clock, so no snapshot runs into the next block. Per round, each arm's
+    median step over the no-checkpoint block's; reported as the median over rounds and its range."""
+    import torch
+
+    from ckptfmt.torch import CheckpointManager
+
+    model, optimizer, sampler = build(mib)
+    step(model, optimizer, args.batch)
+    mgr = CheckpointManager(work / "run", keep_last=2, preemption_signals=(), memory_every=1, memory_dir=work / "shm")
+    arms = ARMS
+    counter = 0
+
+    def block(arm: str) -> float:
+        nonlocal counter
+        times = []
+        for _ in range(args.block):
+            counter += 1
+            sampler.advance(args.batch)
+            start = time.perf_counter()
+            step(model, optimizer, args.batch)
+            if arm == "memory":
+                mgr.checkpoint_if_due(
+                    counter, every=10**9, model=model, optimizer=optimizer, sampler=sampler, config={"m": mib}
+                )
+            elif arm == "torch.save":
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                torch.save(state, work / "shm" / "torch.pt")
+            times.append(time.perf_counter() - start)
+        if arm == "memory":
+            mgr.wait_memory()
+        return statistics.median(times[1:])  # the block's first step may wait for what the last block left
+
+    try:
+        for arm in arms:  # a warm-up block each: first snapshots allocate their slots, torch.save its file
+            block(arm)
+        ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
+        plain: list[float] = []
+        for r in range(args.rounds):
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            medians = {arm: block(arm) for arm in order}
+            plain.append(medians["plain"])
+            for arm in arms[1:]:
+                ratios[arm].append(medians[arm] / medians["plain"])
+        snapshots = mgr._memory.snapshots if mgr._memory is not None else 0
+    finally:
+        mgr.close(persist=False)
+    out: dict[str, Any] = {"rounds": args.rounds, "block": args.block, "plain_step_s": statistics.median(plain)}
+    out["snapshots"] = snapshots
+    for arm, values in ratios.items():
+        out[arm] = {"median": statistics.median(values), "min": min(values), "max": max(values), "ratios": values}
     return out
 
 
@@ -260,6 +325,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40, help="steps per phase")
     p.add_argument("--every", type=int, default=8, help="durable cadence of the memory+durable and async phases")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7, help="rounds of the interleaved comparison")
+    p.add_argument("--block", type=int, default=8, help="steps per arm and round in the interleaved comparison")
     p.add_argument("--width", type=int, default=WIDTH, help="the MLP's width: tensors of width x width float32")
     p.add_argument("--dir", help="where to write (default: a temporary directory on local disk, removed afterwards)")
     p.add_argument("--json", type=Path, help="write every figure as JSON")
@@ -281,6 +348,9 @@ def main() -> None:
                 figures[name] = phase(name.removesuffix("-again"), args, mib, scratch)
                 shutil.rmtree((scratch / "shm").resolve(), ignore_errors=True)
                 print(f"{mib} MiB {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
+            figures["interleaved"] = interleaved(args, mib, _scratch(work, mib, "interleaved", shm_parent))
+            shutil.rmtree((work / f"{mib}-interleaved" / "shm").resolve(), ignore_errors=True)
+            print(f"{mib} MiB interleaved: {json.dumps(figures['interleaved'])}", file=sys.stderr, flush=True)
             rec = work / f"{mib}-recovery"
             rec.mkdir()
             (rec / "shm-recover").symlink_to(Path(tempfile.mkdtemp(dir=shm_parent)), target_is_directory=True)
@@ -346,8 +416,25 @@ def print_table(results: dict[str, Any]) -> None:
             f"build {rm['built']:.2f}, restore {rm['restored']:.2f}, first step {rm['first_step']:.2f}) "
             f"| {rd['kill_to_first_step']:.2f} s (step {rd['resumed_step']}; restore {rd['restored']:.2f}) |"
         )
+    print_interleaved(results)
     if phases:
         print_torchrun(phases)
+
+
+def print_interleaved(results: dict[str, Any]) -> None:
+    rows = {mib: f["interleaved"] for mib, f in results.items() if "interleaved" in f}
+    if not rows:
+        return
+    print(
+        "\n| state/rank, interleaved | step, no checkpoint | step at memory_every=1 | step with torch.save to tmpfs "
+        "| rounds x steps per arm |"
+    )
+    print("|---|---|---|---|---|")
+    for mib, f in rows.items():
+        cells = " | ".join(
+            f"{f[a]['median']:.2f}x ({f[a]['min']:.2f}-{f[a]['max']:.2f})" for a in ("memory", "torch.save")
+        )
+        print(f"| {mib} MiB | {f['plain_step_s'] * 1e3:.0f} ms | {cells} | {f['rounds']} x {f['block']} |")
 
 
 if __name__ == "__main__":
