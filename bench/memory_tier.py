@@ -337,7 +337,12 @@ def main() -> None:
 
     torch.set_num_threads(1)  # one core trains, the other is free for the background work
     work = Path(args.dir or tempfile.mkdtemp(prefix="ckptfmt-memory-bench-"))
-    shm_parent = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
+    work.mkdir(parents=True, exist_ok=True)
+    # every memory directory of the run under one in tmpfs, removed at the end whatever happened: tmpfs is memory,
+    # and a phase that failed (or the warm-up, which removes nothing) would leave its slots there
+    shm_parent = Path(
+        tempfile.mkdtemp(prefix="ckptfmt-memory-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else work)
+    )
     results: dict[str, Any] = {}
     try:
         for mib in args.mib:
@@ -366,6 +371,7 @@ def main() -> None:
             shutil.rmtree(shm, ignore_errors=True)
             print(f"torchrun: {json.dumps(results['torchrun'])}", file=sys.stderr, flush=True)
     finally:
+        shutil.rmtree(shm_parent, ignore_errors=True)
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     if args.json:
