@@ -183,8 +183,10 @@ def interleaved(args: argparse.Namespace, mib: int, work: Path) -> dict[str, Any
             block(arm)
         ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
         plain: list[float] = []
+        orders: list[tuple[str, ...]] = []
         for r in range(args.rounds):
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            orders.append(order)
             medians = {arm: block(arm) for arm in order}
             plain.append(medians["plain"])
             for arm in arms[1:]:
@@ -194,6 +196,7 @@ def interleaved(args: argparse.Namespace, mib: int, work: Path) -> dict[str, Any
         mgr.close(persist=False)
     out: dict[str, Any] = {"rounds": args.rounds, "block": args.block, "plain_step_s": statistics.median(plain)}
     out["snapshots"] = snapshots
+    out["orders"] = orders
     for arm, values in ratios.items():
         out[arm] = {"median": statistics.median(values), "min": min(values), "max": max(values), "ratios": values}
     return out
@@ -438,7 +441,8 @@ def print_interleaved(results: dict[str, Any]) -> None:
     print("|---|---|---|---|---|")
     for mib, f in rows.items():
         cells = " | ".join(
-            f"{f[a]['median']:.2f}x ({f[a]['min']:.2f}-{f[a]['max']:.2f})" for a in ("memory", "torch.save")
+            f"{f[a]['median']:.2f}x ({f[a]['min']:.2f}-{f[a]['max']:.2f})" if a in f else "not run"
+            for a in ("memory", "torch.save")
         )
         print(f"| {mib} MiB | {f['plain_step_s'] * 1e3:.0f} ms | {cells} | {f['rounds']} x {f['block']} |")
 

@@ -25,6 +25,12 @@ def test_the_interleaved_comparison_rotates_the_arms_and_snapshots_every_memory_
     assert (out["rounds"], out["block"]) == (3, 3)
     # one warm-up block, then one block per round: a snapshot at each of their steps
     assert out["snapshots"] == (1 + 3) * 3
+    # each round starts with the next arm: no arm always runs first (after the other arms' warm-up or its own)
+    assert out["orders"] == [
+        ("plain", "memory", "torch.save"),
+        ("memory", "torch.save", "plain"),
+        ("torch.save", "plain", "memory"),
+    ]
     for arm in ("memory", "torch.save"):
         figures = out[arm]
         assert len(figures["ratios"]) == 3 and all(r > 0 for r in figures["ratios"])
